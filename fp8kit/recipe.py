@@ -1,0 +1,255 @@
+"""FP8 recipes: what to quantize into which format and how to pick scales.
+
+Pure Python (no framework import): one recipe object drives the PyTorch, JAX and Keras frontends.
+The fields, defaults and rules are those of ``SPEC.md`` section 1.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from fp8kit.formats import E4M3, E5M2, FP8Format
+
+__all__ = [
+    "AMAX_COMPUTE_ALGOS",
+    "FIRST_STEP_SCALINGS",
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "Format",
+    "Recipe",
+    "recipe_from_dict",
+]
+
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+FIRST_STEP_SCALINGS = ("unity", "current")
+
+
+class Format(enum.Enum):
+    """Which FP8 encoding the forward (activations, weights) and backward (gradients) use."""
+
+    E4M3 = "E4M3"
+    E5M2 = "E5M2"
+    HYBRID = "HYBRID"
+
+    @property
+    def forward(self) -> FP8Format:
+        """Encoding of activations and weights."""
+        return E5M2 if self is Format.E5M2 else E4M3
+
+    @property
+    def backward(self) -> FP8Format:
+        """Encoding of gradients."""
+        return E4M3 if self is Format.E4M3 else E5M2
+
+    @classmethod
+    def coerce(cls, value: Format | str) -> Format:
+        """Accept a member or its name in any case (``"hybrid"``)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                pass
+            raise ValueError(
+                f"fp8_format must be one of {[m.name for m in cls]} (a Format member or its "
+                f"name, any case), got {value!r}"
+            )
+        raise TypeError(
+            f"fp8_format must be a Format member or one of the strings "
+            f"{[m.name for m in cls]}, got {type(value).__name__}"
+        )
+
+
+def _require_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+
+
+def _require_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+
+
+def _coerce_override(value: Any) -> tuple[bool, bool, bool]:
+    name = "override_linear_precision"
+    if not isinstance(value, (tuple, list)) or len(value) != 3:
+        raise TypeError(f"{name} must be a tuple of 3 bools (fprop, dgrad, wgrad), got {value!r}")
+    for part, flag in zip(("fprop", "dgrad", "wgrad"), value, strict=True):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}[{part}] must be a bool, got {flag!r}")
+    return (value[0], value[1], value[2])
+
+
+class _RecipeBase:
+    """Validation and serialisation shared by the recipe dataclasses."""
+
+    fp8_format: Format
+    override_linear_precision: tuple[bool, bool, bool]
+    power_2_scale: bool
+
+    def _validate_common(self) -> None:
+        object.__setattr__(self, "fp8_format", Format.coerce(self.fp8_format))
+        object.__setattr__(
+            self, "override_linear_precision", _coerce_override(self.override_linear_precision)
+        )
+        _require_bool("power_2_scale", self.power_2_scale)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-compatible description of the recipe (callables become ``{"callable": name}``)."""
+        out: dict[str, Any] = {"type": type(self).__name__}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, Format):
+                value = value.name
+            elif isinstance(value, tuple):
+                value = list(value)
+            elif callable(value):
+                value = {"callable": f"{value.__module__}:{value.__qualname__}"}
+            out[f.name] = value
+        return out
+
+
+@dataclass(frozen=True)
+class DelayedScaling(_RecipeBase):
+    """FP8 delayed scaling: each tensor is quantized with a scale derived from its amax history.
+
+    Fields (see ``SPEC.md`` section 1 and 3 for the exact update rule):
+        margin: the scale is divided by ``2**margin`` (int or finite float, may be negative).
+        interval: recompute the scale at update events 1, 1+interval, ... (int >= 1).
+        fp8_format: :class:`Format` member or its name; HYBRID = E4M3 forward, E5M2 backward.
+        amax_history_len: history length ``L`` (int >= 1); row 0 is the staging slot.
+        amax_compute_algo: ``"max"``, ``"most_recent"`` or ``callable(history[L, n]) -> amax[n]``.
+        scaling_factor_compute_algo: None or ``callable(amax, old_scale, fp8_max, recipe)``.
+        override_linear_precision: (fprop, dgrad, wgrad); True runs that GEMM in high precision.
+        reduce_amax: all-reduce (MAX) the amaxes over the autocast's group before every update.
+        power_2_scale: round every new scale down to a power of two.
+        first_step_scaling: ``"unity"`` (scale 1 until a slot has history) or ``"current"``
+            (quantize with ``fmax / amax`` of the tensor itself until then).
+    """
+
+    margin: int | float = 0
+    interval: int = 1
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str | Callable[..., Any] = "max"
+    scaling_factor_compute_algo: Callable[..., Any] | None = None
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+    reduce_amax: bool = True
+    power_2_scale: bool = False
+    first_step_scaling: str = "unity"
+
+    def __post_init__(self) -> None:
+        self._validate_common()
+        margin = self.margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+            raise TypeError(f"margin must be an int or a finite float, got {margin!r}")
+        if not math.isfinite(margin):
+            raise ValueError(f"margin must be finite, got {margin!r}")
+        _require_int("interval", self.interval, 1)
+        _require_int("amax_history_len", self.amax_history_len, 1)
+        algo = self.amax_compute_algo
+        if isinstance(algo, str):
+            if algo not in AMAX_COMPUTE_ALGOS:
+                raise ValueError(
+                    f"amax_compute_algo must be one of {list(AMAX_COMPUTE_ALGOS)} or a callable "
+                    f"(history[L, n]) -> amax[n], got {algo!r}"
+                )
+        elif not callable(algo):
+            raise TypeError(
+                f"amax_compute_algo must be one of {list(AMAX_COMPUTE_ALGOS)} or a callable, "
+                f"got {type(algo).__name__}"
+            )
+        sf = self.scaling_factor_compute_algo
+        if sf is not None and not callable(sf):
+            raise TypeError(
+                "scaling_factor_compute_algo must be None or a callable "
+                f"(amax, old_scale, fp8_max, recipe) -> new_scale, got {type(sf).__name__}"
+            )
+        if self.power_2_scale and margin != int(margin):
+            raise ValueError(
+                f"power_2_scale=True needs an integer margin (the scale must stay a power of "
+                f"two), got margin={margin!r}"
+            )
+        if sf is not None and self.power_2_scale:
+            raise ValueError(
+                "power_2_scale=True has no effect when scaling_factor_compute_algo is given: "
+                "set one of them, not both"
+            )
+        _require_bool("reduce_amax", self.reduce_amax)
+        if self.first_step_scaling not in FIRST_STEP_SCALINGS:
+            raise ValueError(
+                f"first_step_scaling must be one of {list(FIRST_STEP_SCALINGS)}, "
+                f"got {self.first_step_scaling!r}"
+            )
+
+    @property
+    def margin_factor(self) -> float:
+        """``2**-margin`` as a Python float (exact for integer margins)."""
+        return 2.0 ** (-self.margin)
+
+
+@dataclass(frozen=True)
+class Float8CurrentScaling(_RecipeBase):
+    """FP8 current scaling: every tensor is quantized with ``fmax / max|x|`` of itself.
+
+    No history, no state updates; each cast reads the tensor twice (amax, then cast).
+    """
+
+    fp8_format: Format = Format.HYBRID
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+    power_2_scale: bool = False
+
+    def __post_init__(self) -> None:
+        self._validate_common()
+
+
+Recipe = DelayedScaling | Float8CurrentScaling
+
+_RECIPE_TYPES: dict[str, type] = {
+    "DelayedScaling": DelayedScaling,
+    "Float8CurrentScaling": Float8CurrentScaling,
+}
+
+
+def _resolve_callable(field_name: str, spec: Any) -> Callable[..., Any]:
+    """Find a callable recorded as ``{"callable": "module:qualname"}`` among loaded modules.
+
+    Nothing is imported: a checkpoint must not be able to run code. The module must already be
+    loaded by the program that reads the checkpoint.
+    """
+    name = spec.get("callable") if isinstance(spec, dict) else None
+    if not isinstance(name, str) or ":" not in name:
+        raise ValueError(f"{field_name}: expected {{'callable': 'module:qualname'}}, got {spec!r}")
+    module_name, qualname = name.split(":", 1)
+    obj: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None) if obj is not None else None
+    if obj is None or not callable(obj):
+        raise ValueError(
+            f"{field_name}: callable {name!r} is not reachable; import its module before "
+            f"rebuilding the recipe (fp8kit never imports code named in a checkpoint)"
+        )
+    return obj
+
+
+def recipe_from_dict(data: dict[str, Any]) -> Recipe:
+    """Rebuild a recipe from the ``to_dict()`` of a DelayedScaling or Float8CurrentScaling."""
+    if not isinstance(data, dict) or data.get("type") not in _RECIPE_TYPES:
+        raise ValueError(
+            f"recipe data must be a dict with 'type' in {sorted(_RECIPE_TYPES)}, got {data!r}"
+        )
+    kwargs = {k: v for k, v in data.items() if k != "type"}
+    for key in ("amax_compute_algo", "scaling_factor_compute_algo"):
+        if isinstance(kwargs.get(key), dict):
+            kwargs[key] = _resolve_callable(key, kwargs[key])
+    if isinstance(kwargs.get("override_linear_precision"), list):
+        kwargs["override_linear_precision"] = tuple(kwargs["override_linear_precision"])
+    return _RECIPE_TYPES[data["type"]](**kwargs)

@@ -1,0 +1,35 @@
+"""fp8kit for PyTorch: ``import fp8kit.torch as f8``.
+
+Delayed-scaling FP8 training: :class:`autocast`, the drop-in :class:`Linear`,
+:func:`convert_model`, and the low-level :func:`quantize` / :func:`fp8_matmul`.
+"""
+
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
+from fp8kit.torch.autocast import autocast, current_recipe, is_fp8_enabled
+from fp8kit.torch.convert import convert_model
+from fp8kit.torch.gemm import Fp8GemmContractError, fp8_matmul, scaled_mm
+from fp8kit.torch.linear import Linear
+from fp8kit.torch.quantization import Float8Tensor, dequantize, quantize, quantize_current
+from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, ScalingState
+
+__all__ = [
+    "BwdSlot",
+    "DelayedScaling",
+    "FP8Meta",
+    "Float8CurrentScaling",
+    "Float8Tensor",
+    "Format",
+    "Fp8GemmContractError",
+    "FwdSlot",
+    "Linear",
+    "ScalingState",
+    "autocast",
+    "convert_model",
+    "current_recipe",
+    "dequantize",
+    "fp8_matmul",
+    "is_fp8_enabled",
+    "quantize",
+    "quantize_current",
+    "scaled_mm",
+]

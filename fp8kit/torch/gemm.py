@@ -1,0 +1,222 @@
+"""FP8 GEMMs through ``torch._scaled_mm`` with the CUDA contract enforced on every device.
+
+cuBLASLt (Ada/Hopper) accepts ``_scaled_mm(A, B)`` only with A row-major, B column-major, every
+dimension a multiple of 16, float32 scale tensors with one element, and not both operands E5M2.
+The CPU kernel accepts more; :func:`scaled_mm` refuses what a GPU would refuse so CPU tests
+catch it. :func:`fp8_matmul` is the convenient entry: it fixes layouts and pads (exactly, with
+zeros) before calling :func:`scaled_mm`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fp8kit.torch.quantization import (
+    HIGH_PRECISION_DTYPES,
+    Float8Tensor,
+    cast_to_fp8,
+    fp8_format_of,
+)
+
+__all__ = [
+    "ACTIVATIONS",
+    "GEMM_ALIGNMENT",
+    "Fp8GemmContractError",
+    "fp8_matmul",
+    "pad_to_alignment",
+    "scaled_mm",
+]
+
+GEMM_ALIGNMENT = 16
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+
+
+class Fp8GemmContractError(ValueError):
+    """Raised for operands that ``torch._scaled_mm`` would reject on a CUDA device."""
+
+
+def _is_row_major(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.stride(1) == 1 and t.stride(0) == max(t.shape[1], 1)
+
+
+def _is_column_major(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.stride(0) == 1 and t.stride(1) == max(t.shape[0], 1)
+
+
+def _check_scale(name: str, scale: torch.Tensor, device: torch.device) -> None:
+    if scale.dtype != torch.float32 or scale.numel() != 1:
+        raise Fp8GemmContractError(
+            f"{name}.scale_inv must be a float32 tensor with one element, "
+            f"got dtype {scale.dtype} and shape {tuple(scale.shape)}"
+        )
+    if scale.device != device:
+        raise Fp8GemmContractError(f"{name}.scale_inv is on {scale.device}, data on {device}")
+
+
+def check_gemm_contract(a: Float8Tensor, b: Float8Tensor) -> None:
+    """Raise :class:`Fp8GemmContractError` unless ``a @ b`` meets the cuBLASLt contract."""
+    if a.data.dim() != 2 or b.data.dim() != 2:
+        raise Fp8GemmContractError(
+            f"a and b must be 2-D, got a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)}"
+        )
+    (m, k), (k2, n) = a.shape, b.shape
+    if k != k2:
+        raise Fp8GemmContractError(f"inner dimensions differ: a is {m}x{k}, b is {k2}x{n}")
+    bad = [f"{nm}={v}" for nm, v in (("M", m), ("K", k), ("N", n)) if v % GEMM_ALIGNMENT]
+    if bad:
+        raise Fp8GemmContractError(
+            f"every GEMM dimension must be a multiple of {GEMM_ALIGNMENT}, got {', '.join(bad)} "
+            "(pad with zeros: fp8_matmul and f8.Linear do this for you)"
+        )
+    if not _is_row_major(a.data):
+        raise Fp8GemmContractError(
+            f"a must be row-major (contiguous), got strides {a.data.stride()}"
+        )
+    if not _is_column_major(b.data):
+        raise Fp8GemmContractError(
+            f"b must be column-major (b.t() contiguous), got strides {b.data.stride()}"
+        )
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        raise Fp8GemmContractError("E5M2 x E5M2 is not supported by cuBLASLt: make one side E4M3")
+    if a.device != b.device:
+        raise Fp8GemmContractError(f"a is on {a.device}, b on {b.device}: use one device")
+    _check_scale("a", a.scale_inv, a.device)
+    _check_scale("b", b.scale_inv, b.device)
+
+
+def scaled_mm(
+    a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``(a.data @ b.data) * a.scale_inv * b.scale_inv`` with float32 accumulation.
+
+    Args:
+        a: ``(M, K)`` row-major FP8 operand.
+        b: ``(K, N)`` column-major FP8 operand.
+        out_dtype: float32, bfloat16 or float16.
+
+    Returns:
+        ``(M, N)`` tensor of ``out_dtype``.
+    """
+    check_gemm_contract(a, b)
+    if out_dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(
+            f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}"
+        )
+    return torch._scaled_mm(
+        a.data,
+        b.data,
+        scale_a=a.scale_inv.reshape(()),
+        scale_b=b.scale_inv.reshape(()),
+        out_dtype=out_dtype,
+    )
+
+
+def _round_up(v: int) -> int:
+    return -(-v // GEMM_ALIGNMENT) * GEMM_ALIGNMENT
+
+
+def pad_to_alignment(data: torch.Tensor) -> torch.Tensor:
+    """Zero-pad a 2-D FP8 tensor so both dimensions are multiples of 16 (returns a new tensor
+    only when padding is needed). FP8 zero is the all-zero byte in both formats."""
+    rows, cols = data.shape
+    pr, pc = _round_up(rows) - rows, _round_up(cols) - cols
+    if pr == 0 and pc == 0:
+        return data
+    return F.pad(data, (0, pc, 0, pr))
+
+
+def as_row_major(t: Float8Tensor) -> Float8Tensor:
+    """``t`` padded and laid out row-major (copies only what it must)."""
+    data = pad_to_alignment(t.data)
+    if not _is_row_major(data):
+        data = data.contiguous()
+    return Float8Tensor(data, t.scale_inv, t.amax)
+
+
+def as_column_major(t: Float8Tensor) -> Float8Tensor:
+    """``t`` padded and laid out column-major (copies only what it must)."""
+    data = pad_to_alignment(t.data)
+    if not _is_column_major(data):
+        data = data.t().contiguous().t()
+    return Float8Tensor(data, t.scale_inv, t.amax)
+
+
+def padded_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` for any shapes and layouts: pad to the contract, multiply, slice back."""
+    m, n = a.shape[0], b.shape[1]
+    out = scaled_mm(as_row_major(a), as_column_major(b), out_dtype)
+    if out.shape != (m, n):
+        out = out[:m, :n].contiguous()
+    return out
+
+
+def _apply_activation(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return y
+    if activation == "relu":
+        return torch.relu(y)
+    if activation == "gelu":
+        return F.gelu(y)
+    if activation == "gelu_tanh":
+        return F.gelu(y, approximate="tanh")
+    raise ValueError(f"activation must be None or one of {list(ACTIVATIONS)}, got {activation!r}")
+
+
+def fp8_matmul(
+    a: Float8Tensor,
+    b: Float8Tensor,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    out_scale: torch.Tensor | float | None = None,
+    out_fp8_dtype: torch.dtype | None = None,
+) -> torch.Tensor | Float8Tensor:
+    """``activation(a @ b + bias)``, optionally quantized to FP8 with a delayed output scale.
+
+    Args:
+        a: ``(M, K)`` :class:`Float8Tensor`; b: ``(K, N)`` :class:`Float8Tensor` (any layout,
+            any sizes: padded exactly to the GEMM contract internally).
+        out_dtype: dtype of a high-precision result (float32, bfloat16, float16).
+        bias: ``(N,)`` vector or ``(M, N)`` matrix, added in float32 after the GEMM.
+        activation: None, ``"relu"``, ``"gelu"`` or ``"gelu_tanh"``, applied after the bias.
+        out_scale: if given, the result is quantized with this (delayed) scale and returned as a
+            :class:`Float8Tensor` whose ``amax`` is the high-precision result's amax, the value
+            to record for the next step's scale.
+        out_fp8_dtype: FP8 dtype of a quantized result (default ``torch.float8_e4m3fn``).
+
+    Returns:
+        ``(M, N)`` tensor of ``out_dtype``, or a :class:`Float8Tensor` when ``out_scale`` is set.
+    """
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, Float8Tensor):
+            raise TypeError(f"{name} must be a Float8Tensor, got {type(t).__name__}")
+        if t.data.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: inner sizes differ")
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(
+            f"activation must be None or one of {list(ACTIVATIONS)}, got {activation!r}"
+        )
+    if out_scale is None and out_fp8_dtype is not None:
+        raise ValueError("out_fp8_dtype is given but out_scale is None: pass both for FP8 output")
+    m, n = a.shape[0], b.shape[1]
+    y = padded_mm(a, b, torch.float32)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape not in ((n,), (m, n)):
+            raise ValueError(
+                f"bias must be a tensor of shape ({n},) or ({m}, {n}), got "
+                f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}"
+            )
+        y = y + bias.to(torch.float32)
+    y = _apply_activation(y, activation)
+    if out_scale is None:
+        return y if out_dtype == torch.float32 else y.to(out_dtype)
+    fmt = fp8_format_of(
+        torch.float8_e4m3fn if out_fp8_dtype is None else out_fp8_dtype, "out_fp8_dtype"
+    )
+    scale = torch.as_tensor(out_scale, dtype=torch.float32, device=y.device).reshape(())
+    data, amax = cast_to_fp8(y, scale, fmt)
+    return Float8Tensor(data, torch.reciprocal(scale), amax)

@@ -1,0 +1,227 @@
+"""``f8.Linear``: a drop-in ``torch.nn.Linear`` whose three GEMMs run in FP8 (SPEC section 4).
+
+fprop ``y = x W^T``, dgrad ``dX = dY W`` and wgrad ``dW = dY^T x`` are FP8 GEMMs with float32
+accumulation (E4M3 x E4M3 forward, E5M2 x E4M3 backward under HYBRID); the bias and every output
+stay in high precision. Backward keeps the FP8 copies of x and W (1 byte per element), not the
+high-precision input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8kit.recipe import DelayedScaling
+from fp8kit.torch.autocast import current_group, current_recipe
+from fp8kit.torch.gemm import padded_mm
+from fp8kit.torch.quantization import Float8Tensor, check_high_precision
+from fp8kit.torch.quantizer import FP8Run
+from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot
+
+__all__ = ["Linear"]
+
+
+def prepare_run(meta: FP8Meta, recipe: Any, group: Any, cache: dict[str, Any]) -> FP8Run:
+    """Bring ``meta`` in line with ``recipe`` (history length, recorded recipe) and return a run."""
+    if isinstance(recipe, DelayedScaling):
+        if meta.forward.history_len != recipe.amax_history_len:
+            meta.set_history_len(
+                recipe.amax_history_len, f"recipe amax_history_len={recipe.amax_history_len}"
+            )
+        if cache.get("recipe") is not recipe:
+            cache["recipe"] = recipe
+            data = recipe.to_dict()
+            meta.forward.recipe_data = data
+            meta.backward.recipe_data = data
+    return FP8Run(recipe, group, meta, torch.is_grad_enabled())
+
+
+def _needs_fp8(run: FP8Run) -> tuple[bool, bool, bool]:
+    fprop, dgrad, wgrad = (not o for o in run.override)
+    return fprop, dgrad, wgrad
+
+
+class _LinearFunction(torch.autograd.Function):
+    """Autograd function of one FP8 Linear on a 2-D input ``(M, K)``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        run: FP8Run,
+        cached_weight: Float8Tensor | None,
+        fp8_output: bool,
+        fp8_grad: bool,
+    ) -> torch.Tensor:
+        fprop_fp8, dgrad_fp8, wgrad_fp8 = _needs_fp8(run)
+        wgrad_needed = weight.requires_grad
+        x_fp8 = None
+        if fprop_fp8 or (wgrad_fp8 and wgrad_needed):
+            x_fp8 = run.quantize_forward(x, FwdSlot.INPUT)
+        w_fp8 = cached_weight
+        if w_fp8 is None and (fprop_fp8 or dgrad_fp8):
+            w_fp8 = run.quantize_forward(weight, FwdSlot.WEIGHT)
+        if fprop_fp8:
+            y = padded_mm(x_fp8, w_fp8.t(), torch.float32)  # type: ignore[union-attr]
+            if bias is not None:
+                y = y + bias.to(torch.float32)
+            y = y.to(x.dtype)
+        else:
+            y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        if fp8_output:
+            y = run.quantize_forward(y, FwdSlot.OUTPUT).dequantize(y.dtype)
+
+        ctx.run = run
+        ctx.fp8_grad = fp8_grad
+        ctx.has_bias = bias is not None
+        ctx.x_dtype = x.dtype
+        ctx.x_fp8_meta = None if x_fp8 is None else (x_fp8.scale_inv, x_fp8.amax)
+        ctx.w_fp8_meta = None if w_fp8 is None else (w_fp8.scale_inv, w_fp8.amax)
+        ctx.save_for_backward(
+            x_fp8.data if (x_fp8 is not None and wgrad_fp8) else None,
+            x if not wgrad_fp8 else None,
+            w_fp8.data if (w_fp8 is not None and dgrad_fp8) else None,
+            weight,
+        )
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x_fp8_data, x_hp, w_fp8_data, weight = ctx.saved_tensors
+        run: FP8Run = ctx.run
+        _, dgrad_fp8, wgrad_fp8 = _needs_fp8(run)
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dy = dy.contiguous()
+        dy_fp8 = None
+        if (dgrad_fp8 and need_dx) or (wgrad_fp8 and need_dw):
+            dy_fp8 = run.quantize_backward(dy, BwdSlot.GRAD_OUTPUT)
+
+        dx = dw = db = None
+        if need_dx:
+            if dgrad_fp8:
+                w_fp8 = Float8Tensor(w_fp8_data, *ctx.w_fp8_meta)
+                dx = padded_mm(dy_fp8, w_fp8, torch.float32)  # type: ignore[arg-type]
+            else:
+                dx = dy.to(torch.float32) @ weight.to(torch.float32)
+            dx = dx.to(ctx.x_dtype)
+            if ctx.fp8_grad:
+                dx = run.quantize_backward(dx, BwdSlot.GRAD_INPUT).dequantize(dx.dtype)
+        if need_dw:
+            if wgrad_fp8:
+                x_fp8 = Float8Tensor(x_fp8_data, *ctx.x_fp8_meta)
+                dw = padded_mm(dy_fp8.t(), x_fp8, torch.float32)  # type: ignore[union-attr]
+            else:
+                dw = dy.to(torch.float32).t() @ x_hp.to(torch.float32)
+            dw = dw.to(weight.dtype)
+        if need_db and ctx.has_bias:
+            db = dy.to(torch.float32).sum(0).to(weight.dtype)
+        return dx, dw, db, None, None, None, None
+
+
+class Linear(nn.Linear):
+    """Drop-in replacement for ``torch.nn.Linear`` that runs in FP8 inside ``f8.autocast``.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``torch.nn.Linear``.
+        fp8_output: also pass the output through FP8 (E4M3, forward OUTPUT slot) and record its
+            amax; the returned tensor is the dequantized high-precision value.
+        fp8_grad: likewise for the input gradient (E5M2 under HYBRID, backward GRAD_INPUT slot).
+
+    Outside an enabled autocast it is exactly ``torch.nn.Linear``. Any input shape
+    ``(*, in_features)`` and any feature sizes work (GEMM operands are zero-padded to multiples
+    of 16 where needed). ``fp8_meta.forward`` / ``.backward`` hold the delayed-scaling state.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        fp8_output: bool = False,
+        fp8_grad: bool = False,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        for name, flag in (("fp8_output", fp8_output), ("fp8_grad", fp8_grad)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        self.fp8_output = fp8_output
+        self.fp8_grad = fp8_grad
+        self.fp8_meta = FP8Meta(num_gemms=1, device=device)
+        self._weight_cache: Float8Tensor | None = None
+        self._run_cache: dict[str, Any] = {}
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if "fp8_meta" in self._modules:  # also after to_empty() from a meta-device init
+            self.fp8_meta = FP8Meta(
+                num_gemms=1,
+                history_len=self.fp8_meta.forward.history_len,
+                device=self.weight.device,
+            )
+            self._weight_cache = None
+
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, is_first_microbatch: bool | None = None
+    ) -> torch.Tensor:
+        if is_first_microbatch not in (None, True, False):
+            raise TypeError(
+                f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}"
+            )
+        recipe = current_recipe()
+        if recipe is None:
+            return super().forward(x)
+        check_high_precision(x, "x")
+        if x.shape[-1:] != (self.in_features,):
+            raise ValueError(
+                f"x must have shape (*, {self.in_features}) for in_features={self.in_features}, "
+                f"got {tuple(x.shape)}"
+            )
+        if x.device != self.weight.device:
+            raise ValueError(
+                f"x is on {x.device} but the weight is on {self.weight.device}: move one of them"
+            )
+        run = prepare_run(self.fp8_meta, recipe, current_group(), self._run_cache)
+        cached = self._cached_weight(run, is_first_microbatch)
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        if x2d.shape[0] == 0:
+            return super().forward(x)
+        y = _LinearFunction.apply(
+            x2d, self.weight, self.bias, run, cached, self.fp8_output, self.fp8_grad
+        )
+        return y.reshape(*lead, self.out_features)
+
+    def _cached_weight(self, run: FP8Run, is_first_microbatch: bool | None) -> Float8Tensor | None:
+        if is_first_microbatch is None:
+            self._weight_cache = None
+            return None
+        if is_first_microbatch:
+            fprop, dgrad, _ = (not o for o in run.override)
+            self._weight_cache = (
+                run.quantize_forward(self.weight.detach(), FwdSlot.WEIGHT)
+                if (fprop or dgrad)
+                else None
+            )
+            return self._weight_cache
+        if self._weight_cache is None:
+            raise ValueError(
+                "is_first_microbatch=False reuses the FP8 weight cached by an earlier call with "
+                "is_first_microbatch=True, but there is none: pass True on the first microbatch"
+            )
+        return self._weight_cache
+
+    def extra_repr(self) -> str:
+        extra = super().extra_repr()
+        if self.fp8_output:
+            extra += ", fp8_output=True"
+        if self.fp8_grad:
+            extra += ", fp8_grad=True"
+        return extra

@@ -1,0 +1,197 @@
+"""FP8 quantization for PyTorch: :class:`Float8Tensor`, :func:`quantize` and the fused cast.
+
+Numerics (SPEC section 2): ``q = saturate(rne(float32(x) * scale))`` in the target FP8 type,
+NaN stays NaN, ``scale_inv = 1 / scale`` (float32, correctly rounded), and the recorded amax is
+``max |x|`` of the unscaled input with NaN ignored (0 for an empty or all-NaN tensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fp8kit.formats import E4M3, E5M2, FP8Format
+from fp8kit.torch.scaling import compute_scale
+
+__all__ = [
+    "HIGH_PRECISION_DTYPES",
+    "Float8Tensor",
+    "cast_to_fp8",
+    "current_scale",
+    "dequantize",
+    "fp8_format_of",
+    "quantize",
+    "quantize_current",
+    "torch_dtype_of",
+]
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    E4M3.name: torch.float8_e4m3fn,
+    E5M2.name: torch.float8_e5m2,
+}
+_FORMATS_BY_DTYPE: dict[torch.dtype, FP8Format] = {
+    torch.float8_e4m3fn: E4M3,
+    torch.float8_e5m2: E5M2,
+}
+HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def torch_dtype_of(fmt: FP8Format) -> torch.dtype:
+    """The torch dtype of an FP8 format (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``)."""
+    return _TORCH_DTYPES[fmt.name]
+
+
+def fp8_format_of(dtype: torch.dtype | FP8Format, name: str = "fp8_dtype") -> FP8Format:
+    """Map a torch FP8 dtype (or an :class:`FP8Format`) to its format; anything else raises."""
+    if isinstance(dtype, FP8Format):
+        return dtype
+    try:
+        return _FORMATS_BY_DTYPE[dtype]
+    except (KeyError, TypeError):
+        allowed = ", ".join(f"torch.{d}".replace("torch.torch.", "torch.") for d in _TORCH_DTYPES)
+        raise TypeError(f"{name} must be one of {allowed}, got {dtype!r}") from None
+
+
+def check_high_precision(x: torch.Tensor, name: str = "x") -> None:
+    """Raise a TypeError unless ``x`` is a float32 / bfloat16 / float16 tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(
+            f"{name} must have dtype torch.float32, torch.bfloat16 or torch.float16, got {x.dtype}"
+        )
+
+
+@dataclass
+class Float8Tensor:
+    """FP8 data with the float32 factor that turns it back into real values.
+
+    Attributes:
+        data: the FP8 payload (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``), any shape.
+        scale_inv: float32 0-d tensor; real value = ``data * scale_inv``.
+        amax: float32 0-d tensor, ``max |x|`` of the high-precision input (None if unknown).
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    amax: torch.Tensor | None = None
+
+    @property
+    def fp8_format(self) -> FP8Format:
+        return fp8_format_of(self.data.dtype, "data.dtype")
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Real values ``data * scale_inv`` (computed in float32, then cast to ``dtype``)."""
+        return dequantize(self, dtype)
+
+    def t(self) -> Float8Tensor:
+        """The transposed view of a 2-D tensor (no copy; same scale)."""
+        return Float8Tensor(self.data.t(), self.scale_inv, self.amax)
+
+
+def dequantize(t: Float8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``t.data * t.scale_inv`` in float32, cast to ``dtype`` (float32, bfloat16 or float16)."""
+    if dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(
+            f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}"
+        )
+    out = t.data.to(torch.float32) * t.scale_inv
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def nan_ignoring_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` over all elements with NaN ignored, as a float32 0-d tensor (0 if none)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    a = x.abs()
+    if x.is_floating_point():
+        a = torch.where(torch.isnan(a), 0.0, a)
+    return a.amax().to(torch.float32)
+
+
+def cast_to_fp8(
+    x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale, saturate and round ``x`` into ``fmt``; also return ``max |x|`` (NaN ignored).
+
+    Args:
+        x: float32 / bfloat16 / float16 tensor, any shape.
+        scale: float32 tensor with one element (the quantization scale).
+        fmt: target FP8 format.
+
+    Returns:
+        ``(data, amax)``: FP8 tensor of ``x.shape`` and a float32 0-d tensor.
+    """
+    scaled = x.to(torch.float32) * scale.reshape(())
+    scaled.clamp_(-fmt.max, fmt.max)  # saturate; +-inf -> +-fmax; NaN stays NaN
+    data = scaled.to(torch_dtype_of(fmt))
+    return data, nan_ignoring_amax(x)
+
+
+def _as_scale_tensor(scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        return torch.tensor(float(scale), dtype=torch.float32, device=device)
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"scale must be a float or a float32 tensor, got {type(scale).__name__}")
+    if scale.dtype != torch.float32 or scale.numel() != 1:
+        raise TypeError(
+            f"scale must be a float32 tensor with one element, got dtype {scale.dtype} and "
+            f"shape {tuple(scale.shape)}"
+        )
+    if scale.device != device:
+        raise ValueError(f"scale is on {scale.device} but x is on {device}: put both on one device")
+    return scale.reshape(())
+
+
+def quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor | float,
+    fp8_dtype: torch.dtype | FP8Format,
+    scale_inv: torch.Tensor | None = None,
+) -> Float8Tensor:
+    """Quantize ``x`` with a given (delayed) ``scale``; one read of ``x`` yields data and amax.
+
+    Args:
+        x: float32 / bfloat16 / float16 tensor, any shape.
+        scale: float or float32 one-element tensor, the factor applied before the cast.
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        scale_inv: optional precomputed ``1 / scale`` (float32, one element).
+    """
+    check_high_precision(x)
+    fmt = fp8_format_of(fp8_dtype)
+    scale_t = _as_scale_tensor(scale, x.device)
+    data, amax = cast_to_fp8(x, scale_t, fmt)
+    if scale_inv is None:
+        scale_inv = torch.reciprocal(scale_t)
+    return Float8Tensor(data, scale_inv.reshape(()), amax)
+
+
+def current_scale(amax: torch.Tensor, fmt: FP8Format, power_2_scale: bool = False) -> torch.Tensor:
+    """Current-scaling factor ``fmax / amax`` (float32), 1 where amax is 0 or not finite."""
+    one = torch.ones_like(amax)
+    return compute_scale(amax, one, fmt.max, margin=0, power_2_scale=power_2_scale)
+
+
+def quantize_current(
+    x: torch.Tensor, fp8_dtype: torch.dtype | FP8Format, power_2_scale: bool = False
+) -> Float8Tensor:
+    """Current scaling: quantize ``x`` with ``fmax / max|x|`` (two reads of ``x``)."""
+    check_high_precision(x)
+    fmt = fp8_format_of(fp8_dtype)
+    amax = nan_ignoring_amax(x)
+    scale = current_scale(amax, fmt, power_2_scale)
+    data, _ = cast_to_fp8(x, scale, fmt)
+    return Float8Tensor(data, torch.reciprocal(scale), amax)

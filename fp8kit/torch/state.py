@@ -1,0 +1,207 @@
+"""Per-module FP8 scaling state: amax histories, scales and event counts (SPEC sections 3, 6).
+
+A module owns an :class:`FP8Meta` with a forward and a backward :class:`ScalingState`. Both are
+``nn.Module``\\ s holding plain buffers, so they move with ``.to()``, appear in ``state_dict`` with
+fixed shapes (``fp8_meta.forward.amax_history`` ...) and load with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["BwdSlot", "FP8Meta", "FwdSlot", "ScalingState", "resize_history"]
+
+DEFAULT_HISTORY_LEN = 1024
+_EXTRA_STATE_VERSION = 1
+
+
+class FwdSlot(enum.IntEnum):
+    """Forward slot of GEMM ``g`` is ``3 * g + slot``."""
+
+    INPUT = 0
+    WEIGHT = 1
+    OUTPUT = 2
+
+
+class BwdSlot(enum.IntEnum):
+    """Backward slot of GEMM ``g`` is ``2 * g + slot``."""
+
+    GRAD_OUTPUT = 0
+    GRAD_INPUT = 1
+
+
+def resize_history(history: torch.Tensor, length: int) -> torch.Tensor:
+    """Return ``history`` (L, n) resized to ``length`` rows, keeping the staging row 0.
+
+    Shrinking keeps the newest completed entries (the last rows); growing pads zeros on the
+    older side (right after the staging row).
+    """
+    old = history.shape[0]
+    if length == old:
+        return history
+    out = torch.zeros((length, history.shape[1]), dtype=history.dtype, device=history.device)
+    out[0] = history[0]
+    keep = min(old, length) - 1
+    if keep > 0:
+        out[length - keep :] = history[old - keep :]
+    return out
+
+
+class ScalingState(nn.Module):
+    """Delayed-scaling state of one direction of one module.
+
+    Buffers:
+        amax_history: float32 ``(L, n)``; row 0 is the staging row (max of amaxes recorded since
+            the last update), rows 1..L-1 the completed history, oldest first.
+        scale: float32 ``(n,)``, the factor applied before casting to FP8.
+        scale_inv: float32 ``(n,)``, ``1 / scale`` (derived, not saved).
+        update_count: int64 ``(n,)``, number of non-skipped update events per slot.
+    """
+
+    amax_history: torch.Tensor
+    scale: torch.Tensor
+    scale_inv: torch.Tensor
+    update_count: torch.Tensor
+
+    def __init__(
+        self,
+        num_slots: int,
+        history_len: int = DEFAULT_HISTORY_LEN,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_slots = num_slots
+        kw: dict[str, Any] = {"dtype": torch.float32, "device": device}
+        self.register_buffer("amax_history", torch.zeros(history_len, num_slots, **kw))
+        self.register_buffer("scale", torch.ones(num_slots, **kw))
+        self.register_buffer("scale_inv", torch.ones(num_slots, **kw), persistent=False)
+        self.register_buffer(
+            "update_count", torch.zeros(num_slots, dtype=torch.int64, device=device)
+        )
+        self.recipe_data: dict[str, Any] | None = None
+        self._slots_with_history: set[int] = set()
+
+    @property
+    def history_len(self) -> int:
+        return self.amax_history.shape[0]
+
+    def forward(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - not callable
+        raise RuntimeError("ScalingState holds buffers only; it is not meant to be called")
+
+    def record_amax(self, slot: int, amax: torch.Tensor) -> None:
+        """Fold ``amax`` (float32 0-d) into the staging row: ``H[0, slot] = max(H[0, slot], a)``."""
+        self.amax_history[0, slot : slot + 1].clamp_(min=amax)
+
+    def slot_has_history(self, slot: int) -> bool:
+        """Whether ``slot`` has had at least one non-skipped update (syncs until it has)."""
+        if slot in self._slots_with_history:
+            return True
+        if bool(self.update_count[slot] > 0):
+            self._slots_with_history.add(slot)
+            return True
+        return False
+
+    def is_pristine(self) -> bool:
+        """True if nothing was ever recorded or updated (all history 0, counts 0)."""
+        return not bool(self.update_count.any()) and not bool(self.amax_history.any())
+
+    def set_history_len(self, length: int, reason: str) -> None:
+        """Resize the history to ``length`` rows, warning unless the state is still pristine."""
+        if length == self.history_len:
+            return
+        if not self.is_pristine():
+            warnings.warn(
+                f"fp8kit: resizing an amax history from {self.history_len} to {length} entries "
+                f"({reason}); "
+                + (
+                    "the oldest entries are dropped"
+                    if length < self.history_len
+                    else "zeros are padded on the older side"
+                ),
+                stacklevel=3,
+            )
+        self.amax_history = resize_history(self.amax_history, length)
+
+    def refresh_derived(self) -> None:
+        """Recompute ``scale_inv`` and caches after the buffers were replaced from outside."""
+        self.scale_inv = torch.reciprocal(self.scale)
+        self._slots_with_history = set()
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"version": _EXTRA_STATE_VERSION, "recipe": self.recipe_data}
+
+    def set_extra_state(self, state: Any) -> None:
+        if not isinstance(state, dict) or state.get("version") != _EXTRA_STATE_VERSION:
+            raise ValueError(
+                f"fp8kit: unsupported ScalingState extra state {state!r} "
+                f"(expected a dict with version {_EXTRA_STATE_VERSION})"
+            )
+        self.recipe_data = state.get("recipe")
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # A checkpoint may carry another history length: adopt it (nothing is lost). The next
+        # autocast resizes to its recipe's length, warning if that drops or pads entries.
+        incoming = state_dict.get(prefix + "amax_history")
+        if (
+            isinstance(incoming, torch.Tensor)
+            and incoming.dim() == 2
+            and incoming.shape[1] == self.num_slots
+            and incoming.shape[0] != self.history_len
+        ):
+            self.amax_history = torch.zeros(
+                incoming.shape, dtype=torch.float32, device=self.amax_history.device
+            )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        self.refresh_derived()
+
+    def extra_repr(self) -> str:
+        return f"num_slots={self.num_slots}, history_len={self.history_len}"
+
+
+class FP8Meta(nn.Module):
+    """The forward and backward scaling states of a module with ``num_gemms`` GEMMs.
+
+    ``forward`` holds ``3 * num_gemms`` slots (:class:`FwdSlot`), ``backward`` ``2 * num_gemms``
+    (:class:`BwdSlot`). Their ``state_dict`` keys are ``forward.*`` and ``backward.*``.
+    """
+
+    def __init__(
+        self,
+        num_gemms: int = 1,
+        history_len: int = DEFAULT_HISTORY_LEN,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_gemms = num_gemms
+        # Registered under the names "forward"/"backward" so state_dict keys read like the
+        # attribute paths; nn.Module.add_module refuses those names because of Module.forward.
+        self._modules["forward"] = ScalingState(3 * num_gemms, history_len, device)
+        self._modules["backward"] = ScalingState(2 * num_gemms, history_len, device)
+
+    @property  # type: ignore[override]
+    def forward(self) -> ScalingState:  # deliberately shadows Module.forward
+        return self._modules["forward"]  # type: ignore[return-value]
+
+    @property
+    def backward(self) -> ScalingState:
+        return self._modules["backward"]  # type: ignore[return-value]
+
+    def set_history_len(self, length: int, reason: str) -> None:
+        self.forward.set_history_len(length, reason)
+        self.backward.set_history_len(length, reason)
