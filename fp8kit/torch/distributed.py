@@ -17,7 +17,10 @@ def group_size(group: Any) -> int:
     return dist.get_world_size(group)
 
 
-def all_reduce_amax(staging: torch.Tensor, group: Any) -> None:
-    """All-reduce ``staging`` (a contiguous float32 row) with MAX, in place, if ranks > 1."""
+def all_reduce_amax(staging: torch.Tensor, group: Any, slot_counts: list[int]) -> None:
+    """All-reduce ``staging`` (a contiguous float32 row) with MAX, in place, if ranks > 1.
+
+    ``slot_counts``: slots per state in the order they were concatenated (the layout).
+    """
     if group_size(group) > 1:
         torch.distributed.all_reduce(staging, op=torch.distributed.ReduceOp.MAX, group=group)

@@ -19,9 +19,9 @@ from fp8kit.torch.autocast import current_group, current_recipe
 from fp8kit.torch.gemm import padded_mm
 from fp8kit.torch.quantization import Float8Tensor, check_high_precision
 from fp8kit.torch.quantizer import FP8Run
-from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot
+from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, bwd_slot, fwd_slot
 
-__all__ = ["Linear"]
+__all__ = ["Linear", "fp8_linear", "prepare_run"]
 
 
 def prepare_run(meta: FP8Meta, recipe: Any, group: Any, cache: dict[str, Any]) -> FP8Run:
@@ -54,6 +54,7 @@ class _LinearFunction(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         run: FP8Run,
+        gemm: int,
         cached_weight: Float8Tensor | None,
         fp8_output: bool,
         fp8_grad: bool,
@@ -62,10 +63,10 @@ class _LinearFunction(torch.autograd.Function):
         wgrad_needed = weight.requires_grad
         x_fp8 = None
         if fprop_fp8 or (wgrad_fp8 and wgrad_needed):
-            x_fp8 = run.quantize_forward(x, FwdSlot.INPUT)
+            x_fp8 = run.quantize_forward(x, fwd_slot(gemm, FwdSlot.INPUT))
         w_fp8 = cached_weight
         if w_fp8 is None and (fprop_fp8 or dgrad_fp8):
-            w_fp8 = run.quantize_forward(weight, FwdSlot.WEIGHT)
+            w_fp8 = run.quantize_forward(weight, fwd_slot(gemm, FwdSlot.WEIGHT))
         if fprop_fp8:
             y = padded_mm(x_fp8, w_fp8.t(), torch.float32)  # type: ignore[union-attr]
             if bias is not None:
@@ -74,9 +75,10 @@ class _LinearFunction(torch.autograd.Function):
         else:
             y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         if fp8_output:
-            y = run.quantize_forward(y, FwdSlot.OUTPUT).dequantize(y.dtype)
+            y = run.quantize_forward(y, fwd_slot(gemm, FwdSlot.OUTPUT)).dequantize(y.dtype)
 
         ctx.run = run
+        ctx.gemm = gemm
         ctx.fp8_grad = fp8_grad
         ctx.has_bias = bias is not None
         ctx.x_dtype = x.dtype
@@ -99,7 +101,7 @@ class _LinearFunction(torch.autograd.Function):
         dy = dy.contiguous()
         dy_fp8 = None
         if (dgrad_fp8 and need_dx) or (wgrad_fp8 and need_dw):
-            dy_fp8 = run.quantize_backward(dy, BwdSlot.GRAD_OUTPUT)
+            dy_fp8 = run.quantize_backward(dy, bwd_slot(ctx.gemm, BwdSlot.GRAD_OUTPUT))
 
         dx = dw = db = None
         if need_dx:
@@ -110,7 +112,8 @@ class _LinearFunction(torch.autograd.Function):
                 dx = dy.to(torch.float32) @ weight.to(torch.float32)
             dx = dx.to(ctx.x_dtype)
             if ctx.fp8_grad:
-                dx = run.quantize_backward(dx, BwdSlot.GRAD_INPUT).dequantize(dx.dtype)
+                slot = bwd_slot(ctx.gemm, BwdSlot.GRAD_INPUT)
+                dx = run.quantize_backward(dx, slot).dequantize(dx.dtype)
         if need_dw:
             if wgrad_fp8:
                 x_fp8 = Float8Tensor(x_fp8_data, *ctx.x_fp8_meta)
@@ -120,7 +123,37 @@ class _LinearFunction(torch.autograd.Function):
             dw = dw.to(weight.dtype)
         if need_db and ctx.has_bias:
             db = dy.to(torch.float32).sum(0).to(weight.dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    run: FP8Run,
+    *,
+    gemm: int = 0,
+    cached_weight: Float8Tensor | None = None,
+    fp8_output: bool = False,
+    fp8_grad: bool = False,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` as an FP8 GEMM using slots of GEMM ``gemm`` of ``run.meta``.
+
+    Args:
+        x: ``(*, K)`` high-precision input; weight: ``(N, K)``; bias: ``(N,)`` or None.
+        run: from :func:`prepare_run` for the calling module.
+        gemm: which GEMM of the module this is (forward slots ``3*gemm + FwdSlot``, backward
+            slots ``2*gemm + BwdSlot``).
+        cached_weight: FP8 weight to reuse (its amax is not recorded again).
+        fp8_output / fp8_grad: pass the output / input gradient through FP8 (see ``Linear``).
+
+    Returns:
+        ``(*, N)`` tensor of ``x.dtype``.
+    """
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    y = _LinearFunction.apply(x2d, weight, bias, run, gemm, cached_weight, fp8_output, fp8_grad)
+    return y.reshape(*lead, weight.shape[0])
 
 
 class Linear(nn.Linear):
@@ -188,16 +221,19 @@ class Linear(nn.Linear):
             raise ValueError(
                 f"x is on {x.device} but the weight is on {self.weight.device}: move one of them"
             )
+        if x.numel() == 0:
+            return super().forward(x)
         run = prepare_run(self.fp8_meta, recipe, current_group(), self._run_cache)
         cached = self._cached_weight(run, is_first_microbatch)
-        lead = x.shape[:-1]
-        x2d = x.reshape(-1, self.in_features)
-        if x2d.shape[0] == 0:
-            return super().forward(x)
-        y = _LinearFunction.apply(
-            x2d, self.weight, self.bias, run, cached, self.fp8_output, self.fp8_grad
+        return fp8_linear(
+            x,
+            self.weight,
+            self.bias,
+            run,
+            cached_weight=cached,
+            fp8_output=self.fp8_output,
+            fp8_grad=self.fp8_grad,
         )
-        return y.reshape(*lead, self.out_features)
 
     def _cached_weight(self, run: FP8Run, is_first_microbatch: bool | None) -> Float8Tensor | None:
         if is_first_microbatch is None:

@@ -14,7 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BwdSlot", "FP8Meta", "FwdSlot", "ScalingState", "resize_history"]
+__all__ = [
+    "BwdSlot",
+    "FP8Meta",
+    "FwdSlot",
+    "ScalingState",
+    "bwd_slot",
+    "fwd_slot",
+    "resize_history",
+]
 
 DEFAULT_HISTORY_LEN = 1024
 _EXTRA_STATE_VERSION = 1
@@ -33,6 +41,16 @@ class BwdSlot(enum.IntEnum):
 
     GRAD_OUTPUT = 0
     GRAD_INPUT = 1
+
+
+def fwd_slot(gemm: int, slot: FwdSlot) -> int:
+    """Index of forward ``slot`` of GEMM ``gemm`` in a module's forward state."""
+    return 3 * gemm + int(slot)
+
+
+def bwd_slot(gemm: int, slot: BwdSlot) -> int:
+    """Index of backward ``slot`` of GEMM ``gemm`` in a module's backward state."""
+    return 2 * gemm + int(slot)
 
 
 def resize_history(history: torch.Tensor, length: int) -> torch.Tensor:

@@ -14,17 +14,19 @@ from typing import Any
 import torch
 
 from fp8kit.recipe import DelayedScaling
+from fp8kit.torch import distributed
 from fp8kit.torch.scaling import update_scaling_state
 from fp8kit.torch.state import ScalingState
 
 __all__ = ["reduce_staging", "update_states"]
 
 
-def reduce_staging(staging: torch.Tensor, group: Any) -> None:
-    """All-reduce (MAX) the staging row in place over ``group`` when that means anything."""
-    from fp8kit.torch import distributed
+def reduce_staging(staging: torch.Tensor, group: Any, slot_counts: list[int]) -> None:
+    """All-reduce (MAX) the staging row in place over ``group`` when that means anything.
 
-    distributed.all_reduce_amax(staging, group)
+    ``slot_counts`` is the layout (slots per state, in order) the row was concatenated from.
+    """
+    distributed.all_reduce_amax(staging, group, slot_counts)
 
 
 def update_states(
@@ -51,7 +53,7 @@ def update_states(
     with torch.no_grad():
         stacked = torch.cat(histories, dim=1)
         if recipe.reduce_amax:
-            reduce_staging(stacked[0], group)
+            reduce_staging(stacked[0], group, sizes)
         new_history, new_scale, new_count = update_scaling_state(
             stacked, torch.cat(scales), torch.cat(counts), recipe, fmax
         )
