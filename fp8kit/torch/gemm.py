@@ -9,6 +9,8 @@ zeros) before calling :func:`scaled_mm`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -21,11 +23,14 @@ from fp8kit.torch.quantization import (
 
 __all__ = [
     "ACTIVATIONS",
+    "CPU_GEMM_BACKENDS",
     "GEMM_ALIGNMENT",
     "Fp8GemmContractError",
+    "cpu_gemm_backend",
     "fp8_matmul",
     "pad_to_alignment",
     "scaled_mm",
+    "set_cpu_gemm_backend",
 ]
 
 GEMM_ALIGNMENT = 16
@@ -103,6 +108,8 @@ def scaled_mm(
         raise TypeError(
             f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}"
         )
+    if a.device.type == "cpu" and cpu_gemm_backend() == "dequant":
+        return _dequant_mm(a, b, out_dtype)
     return torch._scaled_mm(
         a.data,
         b.data,
@@ -110,6 +117,40 @@ def scaled_mm(
         scale_b=b.scale_inv.reshape(()),
         out_dtype=out_dtype,
     )
+
+
+def _dequant_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The same GEMM as ``_scaled_mm`` from exactly upcast operands: every FP8 value and every
+    product of two FP8 values is exact in float32, so only the float32 accumulation order can
+    differ from ``_scaled_mm``."""
+    acc = a.data.to(torch.float32) @ b.data.to(torch.float32)
+    out = acc.mul_(a.scale_inv.reshape(()) * b.scale_inv.reshape(()))
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+
+CPU_GEMM_BACKENDS = ("dequant", "scaled_mm")
+_cpu_backend: list[str] = []
+
+
+def cpu_gemm_backend() -> str:
+    """The CPU FP8 GEMM backend: ``"dequant"`` (default) or ``"scaled_mm"``.
+
+    Set with :func:`set_cpu_gemm_backend` or the ``FP8KIT_CPU_GEMM`` environment variable.
+    See docs/decisions/0001-cpu-fp8-gemm-backend.md for why the default is not ``_scaled_mm``.
+    """
+    if not _cpu_backend:
+        set_cpu_gemm_backend(os.environ.get("FP8KIT_CPU_GEMM", "dequant"))
+    return _cpu_backend[0]
+
+
+def set_cpu_gemm_backend(name: str) -> None:
+    """Choose the CPU FP8 GEMM backend (``"dequant"`` or ``"scaled_mm"``) for this process."""
+    if name not in CPU_GEMM_BACKENDS:
+        raise ValueError(
+            f"CPU GEMM backend (FP8KIT_CPU_GEMM) must be one of {list(CPU_GEMM_BACKENDS)}, "
+            f"got {name!r}"
+        )
+    _cpu_backend[:] = [name]
 
 
 def _round_up(v: int) -> int:

@@ -204,7 +204,7 @@ class Linear(nn.Linear):
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, is_first_microbatch: bool | None = None
     ) -> torch.Tensor:
-        if is_first_microbatch not in (None, True, False):
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(
                 f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}"
             )

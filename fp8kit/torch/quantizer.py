@@ -6,6 +6,7 @@ the amax into the staging row; current scaling computes the scale from the tenso
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,11 @@ from fp8kit.torch.quantization import Float8Tensor, cast_to_fp8, quantize_curren
 from fp8kit.torch.state import FP8Meta, ScalingState
 
 __all__ = ["FP8Run", "quantize_slot"]
+
+# Numerics observer (fp8kit.torch.inspect): None unless an Inspector is attached, so the cost of
+# the hook when off is one ``is not None`` test per cast. Called as
+# ``_observer(x, q, recipe, state, slot, fmt)`` right after every slot cast.
+_observer: Callable[..., None] | None = None
 
 
 def quantize_slot(
@@ -44,9 +50,13 @@ def quantize_slot(
         q = quantize_current(x, fmt)
     else:
         data, amax = cast_to_fp8(x, state.scale[slot], fmt)
-        q = Float8Tensor(data, state.scale_inv[slot], amax)
+        # A copy, not a view: the state's scale_inv changes in place at the next update event,
+        # while this tensor may live on (saved for backward, cached weight).
+        q = Float8Tensor(data, state.scale_inv[slot].clone(), amax)
     if record:
         state.record_amax(slot, q.amax)
+    if _observer is not None:
+        _observer(x, q, recipe, state, slot, fmt)
     return q
 
 

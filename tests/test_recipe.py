@@ -1,0 +1,134 @@
+"""fp8kit.recipe: fields, defaults, validation and serialisation (SPEC section 1)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fp8kit.formats import E4M3, E5M2
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format, recipe_from_dict
+
+
+def test_import_pulls_no_framework() -> None:
+    code = (
+        "import sys, fp8kit, fp8kit.recipe, fp8kit.formats;"
+        "bad = [m for m in ('torch', 'jax', 'tensorflow', 'keras') if m in sys.modules];"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_format_members_map_to_forward_and_backward_encodings() -> None:
+    assert (Format.E4M3.forward, Format.E4M3.backward) == (E4M3, E4M3)
+    assert (Format.E5M2.forward, Format.E5M2.backward) == (E5M2, E5M2)
+    assert (Format.HYBRID.forward, Format.HYBRID.backward) == (E4M3, E5M2)
+    assert E4M3.max == 448.0 and E5M2.max == 57344.0
+    assert E4M3.min_subnormal == 2.0**-9 and E5M2.min_subnormal == 2.0**-16
+
+
+def test_delayed_scaling_defaults() -> None:
+    r = DelayedScaling()
+    assert r.margin == 0
+    assert r.interval == 1
+    assert r.fp8_format is Format.HYBRID
+    assert r.amax_history_len == 1024
+    assert r.amax_compute_algo == "max"
+    assert r.scaling_factor_compute_algo is None
+    assert r.override_linear_precision == (False, False, False)
+    assert r.reduce_amax is True
+    assert r.power_2_scale is False
+    assert r.first_step_scaling == "unity"
+
+
+def test_recipes_are_frozen_hashable_and_compare_by_value() -> None:
+    a = DelayedScaling(margin=1, amax_history_len=16)
+    b = DelayedScaling(margin=1, amax_history_len=16)
+    assert a == b and hash(a) == hash(b)
+    assert a != DelayedScaling(margin=2, amax_history_len=16)
+    with pytest.raises(AttributeError):
+        a.margin = 3  # type: ignore[misc]
+    assert {a: 1}[b] == 1
+
+
+@pytest.mark.parametrize("name", ["hybrid", "HYBRID", "Hybrid", "e4m3", "E5M2"])
+def test_format_accepts_names_in_any_case(name: str) -> None:
+    assert DelayedScaling(fp8_format=name).fp8_format is Format[name.upper()]
+
+
+def test_override_list_becomes_tuple() -> None:
+    r = DelayedScaling(override_linear_precision=[True, False, True])
+    assert r.override_linear_precision == (True, False, True)
+    hash(r)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "words"),
+    [
+        ({"margin": float("nan")}, ValueError, "margin"),
+        ({"margin": float("inf")}, ValueError, "margin"),
+        ({"margin": "1"}, TypeError, "margin"),
+        ({"margin": True}, TypeError, "margin"),
+        ({"interval": 0}, ValueError, "interval"),
+        ({"interval": 1.5}, TypeError, "interval"),
+        ({"amax_history_len": 0}, ValueError, "amax_history_len"),
+        ({"amax_history_len": "16"}, TypeError, "amax_history_len"),
+        ({"fp8_format": "e3m4"}, ValueError, "fp8_format"),
+        ({"fp8_format": 3}, TypeError, "fp8_format"),
+        ({"amax_compute_algo": "mean"}, ValueError, "'max', 'most_recent'"),
+        ({"amax_compute_algo": 3}, TypeError, "amax_compute_algo"),
+        ({"scaling_factor_compute_algo": "pow2"}, TypeError, "scaling_factor_compute_algo"),
+        ({"override_linear_precision": (True, False)}, TypeError, "override_linear_precision"),
+        ({"override_linear_precision": (1, 0, 0)}, TypeError, "fprop"),
+        ({"reduce_amax": 1}, TypeError, "reduce_amax"),
+        ({"power_2_scale": "yes"}, TypeError, "power_2_scale"),
+        ({"power_2_scale": True, "margin": 0.5}, ValueError, "integer margin"),
+        (
+            {"power_2_scale": True, "scaling_factor_compute_algo": lambda a, s, m, r: s},
+            ValueError,
+            "not both",
+        ),
+        ({"first_step_scaling": "zero"}, ValueError, "'unity', 'current'"),
+        ({"amax_history": 4}, TypeError, "amax_history"),
+    ],
+)
+def test_bad_values_raise_naming_the_field(kwargs: dict, exc: type, words: str) -> None:
+    with pytest.raises(exc, match=words.replace("(", r"\(").replace(")", r"\)")):
+        DelayedScaling(**kwargs)
+
+
+def test_current_scaling_fields_and_validation() -> None:
+    r = Float8CurrentScaling()
+    assert r.fp8_format is Format.HYBRID and r.power_2_scale is False
+    assert Float8CurrentScaling(fp8_format="e4m3").fp8_format is Format.E4M3
+    with pytest.raises(TypeError, match="amax_history_len"):
+        Float8CurrentScaling(amax_history_len=4)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="override_linear_precision"):
+        Float8CurrentScaling(override_linear_precision=None)  # type: ignore[arg-type]
+
+
+def custom_amax(history):  # module-level so it can be found by name
+    return history.max(0)
+
+
+def test_to_dict_is_json_and_round_trips() -> None:
+    r = DelayedScaling(margin=-1, interval=3, fp8_format="e4m3", amax_history_len=7)
+    text = json.dumps(r.to_dict())
+    assert recipe_from_dict(json.loads(text)) == r
+    c = Float8CurrentScaling(power_2_scale=True)
+    assert recipe_from_dict(json.loads(json.dumps(c.to_dict()))) == c
+
+
+def test_callables_serialise_by_name_and_resolve_only_loaded_modules() -> None:
+    r = DelayedScaling(amax_compute_algo=custom_amax)
+    data = json.loads(json.dumps(r.to_dict()))
+    assert data["amax_compute_algo"] == {"callable": f"{__name__}:custom_amax"}
+    assert recipe_from_dict(data) == r
+    data["amax_compute_algo"] = {"callable": "some_module_never_imported:fn"}
+    with pytest.raises(ValueError, match="never imports"):
+        recipe_from_dict(data)
+    with pytest.raises(ValueError, match="type"):
+        recipe_from_dict({"type": "Pickle"})

@@ -1,0 +1,300 @@
+"""SPEC section 4: f8.Linear's three FP8 GEMMs against float64 references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fp8kit.torch as f8
+from fp8kit.formats import E4M3, E5M2, FP8Format
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
+from tests.reference import fp8_round
+
+INPUT, WEIGHT, OUTPUT = f8.FwdSlot.INPUT, f8.FwdSlot.WEIGHT, f8.FwdSlot.OUTPUT
+GRAD_OUTPUT, GRAD_INPUT = f8.BwdSlot.GRAD_OUTPUT, f8.BwdSlot.GRAD_INPUT
+
+
+def qdq(x: torch.Tensor, scale: float, fmt: FP8Format) -> np.ndarray:
+    """Reference fake-quantization in float64: fp8_round(float32(x) * float32(scale)) / scale."""
+    x32 = x.detach().to(torch.float32).numpy()
+    s32 = np.float32(scale)
+    return fp8_round((x32 * s32).astype(np.float64), fmt) * np.float64(np.float32(1) / s32)
+
+
+class CountScaledMM(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func is torch.ops.aten._scaled_mm.default:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _rel(a: torch.Tensor | np.ndarray, b: np.ndarray) -> float:
+    a = a.detach().to(torch.float64).numpy() if isinstance(a, torch.Tensor) else a
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _train_step(layer: f8.Linear, x: torch.Tensor, g: torch.Tensor, recipe) -> torch.Tensor:
+    with f8.autocast(recipe=recipe):
+        y = layer(x)
+    y.backward(g)
+    return y
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n"), [(64, 32, 48), (5, 17, 33), (1, 1, 1), (48, 128, 16)]
+)
+def test_fprop_dgrad_wgrad_equal_the_fp8_reference(m: int, k: int, n: int) -> None:
+    """Two steps: step 1 uses scale 1, step 2 the scales produced by event 1 (SPEC 3)."""
+    torch.manual_seed(m * 1000 + k * 10 + n)
+    recipe = DelayedScaling(amax_history_len=16)
+    layer = f8.Linear(k, n)
+    for step in range(2):
+        x = (torch.randn(m, k) * 3).requires_grad_()
+        g = torch.randn(m, n) * 0.01
+        fwd, bwd = layer.fp8_meta.forward, layer.fp8_meta.backward
+        s_x, s_w = fwd.scale[INPUT].item(), fwd.scale[WEIGHT].item()
+        s_g = bwd.scale[GRAD_OUTPUT].item()
+        if step == 0:
+            assert (s_x, s_w, s_g) == (1.0, 1.0, 1.0)
+        layer.weight.grad = None
+        layer.bias.grad = None
+        with CountScaledMM() as counter:
+            y = _train_step(layer, x, g, recipe)
+        assert counter.calls == 3  # fprop, dgrad, wgrad all went through _scaled_mm
+        xq, wq, gq = qdq(x, s_x, E4M3), qdq(layer.weight, s_w, E4M3), qdq(g, s_g, E5M2)
+        bias = layer.bias.detach().double().numpy()
+        y_ref = xq @ wq.T + bias
+        dx_ref, dw_ref = gq @ wq, gq.T @ xq
+        # Only float32 accumulation/rounding differs from the float64 reference.
+        assert _rel(y, y_ref) < 1e-5
+        assert _rel(x.grad, dx_ref) < 1e-5
+        assert _rel(layer.weight.grad, dw_ref) < 1e-5
+        np.testing.assert_allclose(layer.bias.grad.double().numpy(), g.double().sum(0).numpy(),
+                                   rtol=1e-5, atol=1e-7)
+    assert fwd.scale[INPUT].item() != 1.0 and bwd.scale[GRAD_OUTPUT].item() != 1.0
+
+
+def test_relative_error_against_unquantized_float64() -> None:
+    """Error bounds from FP8 precision: E4M3 rounds with relative error <= 2^-4 (RMS about
+    2^-4/sqrt(3) = 0.036 per operand), E5M2 <= 2^-3 (RMS 0.072). A GEMM of two independently
+    rounded operands has RMS relative error about sqrt(e_a^2 + e_b^2): fprop ~0.05,
+    dgrad/wgrad ~0.08. Bounds leave ~1.5x headroom."""
+    torch.manual_seed(0)
+    layer = f8.Linear(256, 192)
+    recipe = DelayedScaling(amax_history_len=8)
+    for _ in range(3):  # let the scales settle
+        x = torch.randn(128, 256).requires_grad_()
+        g = torch.randn(128, 192)
+        layer.zero_grad()
+        y = _train_step(layer, x, g, recipe)
+    x64, w64, g64 = (t.detach().double().numpy() for t in (x, layer.weight, g))
+    errs = {
+        "fprop": _rel(y - layer.bias, x64 @ w64.T),
+        "dgrad": _rel(x.grad, g64 @ w64),
+        "wgrad": _rel(layer.weight.grad, g64.T @ x64),
+    }
+    assert errs["fprop"] < 0.06, errs
+    assert errs["dgrad"] < 0.12, errs
+    assert errs["wgrad"] < 0.12, errs
+    assert min(errs.values()) > 1e-3, errs  # really quantized, not a high-precision path
+
+
+def test_saved_activations_are_fp8() -> None:
+    layer = f8.Linear(64, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), f8.autocast():
+        layer(x).sum().backward()
+    activation_like = [t for t in saved if t.shape == x.shape]
+    assert activation_like and all(t.dtype == torch.float8_e4m3fn for t in activation_like)
+    assert not any(t is x for t in saved)
+
+
+@pytest.mark.parametrize("override", [(True, False, False), (False, True, False),
+                                      (False, False, True), (True, True, True)])
+def test_override_linear_precision_runs_chosen_gemms_in_high_precision(override) -> None:
+    torch.manual_seed(1)
+    layer = f8.Linear(32, 48)
+    x = torch.randn(16, 32, requires_grad=True)
+    g = torch.randn(16, 48)
+    with CountScaledMM() as counter:
+        y = _train_step(layer, x, g, DelayedScaling(override_linear_precision=override))
+    assert counter.calls == 3 - sum(override)
+    fprop_hp, dgrad_hp, wgrad_hp = override
+    exact = {
+        "y": F.linear(x, layer.weight, layer.bias),
+        "dx": g @ layer.weight,
+        "dw": g.t() @ x,
+    }
+    for name, got, hp in (("y", y, fprop_hp), ("dx", x.grad, dgrad_hp),
+                          ("dw", layer.weight.grad, wgrad_hp)):
+        same = torch.equal(got.detach(), exact[name].detach())
+        assert same == hp, name
+    state = layer.fp8_meta.forward
+    input_quantized = not (fprop_hp and wgrad_hp)
+    assert (state.amax_history[:, INPUT].abs().sum().item() > 0) == input_quantized
+
+
+def test_is_first_microbatch_caches_the_fp8_weight() -> None:
+    torch.manual_seed(2)
+    layer = f8.Linear(32, 32)
+    x = torch.randn(8, 32)
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        y1 = layer(x, is_first_microbatch=True)
+        staged_weight = layer.fp8_meta.forward.amax_history[0, WEIGHT].item()
+        with torch.no_grad():
+            layer.weight.mul_(4.0)  # the cached FP8 copy must not see this
+        y2 = layer(x, is_first_microbatch=False)
+        assert layer.fp8_meta.forward.amax_history[0, WEIGHT].item() == staged_weight
+        y3 = layer(x)
+    torch.testing.assert_close(y2, y1, rtol=0, atol=0)
+    assert not torch.allclose(y3, y1)
+    with pytest.raises(ValueError, match="is_first_microbatch=True"):
+        fresh = f8.Linear(32, 32)
+        with f8.autocast():
+            fresh(x, is_first_microbatch=False)
+    with pytest.raises(TypeError, match="is_first_microbatch"):
+        layer(x, is_first_microbatch=1)
+
+
+def test_fp8_output_and_fp8_grad() -> None:
+    torch.manual_seed(3)
+    layer = f8.Linear(32, 32, fp8_output=True, fp8_grad=True)
+    recipe = DelayedScaling(amax_history_len=4)
+    for _ in range(2):
+        x = torch.randn(16, 32, requires_grad=True)
+        s_out = layer.fp8_meta.forward.scale[OUTPUT].item()
+        s_gi = layer.fp8_meta.backward.scale[GRAD_INPUT].item()
+        y = _train_step(layer, x, torch.randn(16, 32), recipe)
+        on_grid = fp8_round(y.detach().double().numpy() * s_out, E4M3) / s_out
+        np.testing.assert_allclose(y.detach().double().numpy(), on_grid, rtol=1e-6)
+        g_grid = fp8_round(x.grad.double().numpy() * s_gi, E5M2) / s_gi
+        np.testing.assert_allclose(x.grad.double().numpy(), g_grid, rtol=1e-6)
+    assert layer.fp8_meta.forward.update_count[OUTPUT].item() == 2
+    assert layer.fp8_meta.backward.update_count[GRAD_INPUT].item() == 2
+    plain = f8.Linear(32, 32)
+    _train_step(plain, torch.randn(4, 32, requires_grad=True), torch.randn(4, 32), recipe)
+    assert plain.fp8_meta.forward.update_count[OUTPUT].item() == 0  # never quantized: untouched
+    assert plain.fp8_meta.forward.scale[OUTPUT].item() == 1.0
+
+
+def test_any_leading_shape() -> None:
+    layer = f8.Linear(24, 40)
+    x = torch.randn(2, 3, 5, 24, requires_grad=True)
+    with f8.autocast():
+        y = layer(x)
+    assert y.shape == (2, 3, 5, 40)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    ref = qdq(x.reshape(-1, 24), 1.0, E4M3) @ qdq(layer.weight, 1.0, E4M3).T
+    assert _rel(y.reshape(-1, 40) - layer.bias, ref) < 1e-5
+
+
+def test_bfloat16_parameters_and_activations() -> None:
+    torch.manual_seed(4)
+    layer = f8.Linear(64, 32, dtype=torch.bfloat16)
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(16, 32, dtype=torch.bfloat16)
+    y = _train_step(layer, x, g, DelayedScaling())
+    assert y.dtype == x.grad.dtype == layer.weight.grad.dtype == torch.bfloat16
+    xq, wq, gq = qdq(x, 1.0, E4M3), qdq(layer.weight, 1.0, E4M3), qdq(g, 1.0, E5M2)
+    bias = layer.bias.detach().double().numpy()
+    assert _rel(y, xq @ wq.T + bias) < 2**-8  # bf16 output rounding only
+    assert _rel(x.grad, gq @ wq) < 2**-8
+    assert _rel(layer.weight.grad, gq.T @ xq) < 2**-8
+
+
+def test_current_scaling_recipe() -> None:
+    torch.manual_seed(5)
+    layer = f8.Linear(32, 16)
+    x = torch.randn(8, 32, requires_grad=True) * 1000
+    g = torch.randn(8, 16) * 1e-3
+    y = _train_step(layer, x, g, Float8CurrentScaling())
+
+    def cs(t: torch.Tensor, fmt: FP8Format) -> float:
+        return float(np.float32(fmt.max) / np.float32(t.detach().abs().max().item()))
+
+    xq = qdq(x, cs(x, E4M3), E4M3)
+    wq = qdq(layer.weight, cs(layer.weight, E4M3), E4M3)
+    gq = qdq(g, cs(g, E5M2), E5M2)
+    assert _rel(y - layer.bias, xq @ wq.T) < 1e-5
+    assert _rel(layer.weight.grad, gq.T @ xq) < 1e-5
+    assert layer.fp8_meta.forward.amax_history.abs().sum().item() == 0  # no state involved
+
+
+def test_outside_autocast_it_is_nn_linear() -> None:
+    layer = f8.Linear(8, 4)
+    assert isinstance(layer, torch.nn.Linear)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=0, atol=0)
+    with f8.autocast(enabled=False):
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert layer.fp8_meta.forward.amax_history.abs().sum().item() == 0
+
+
+def test_bad_input() -> None:
+    layer = f8.Linear(8, 4)
+    with f8.autocast():
+        with pytest.raises(TypeError, match="x must have dtype"):
+            layer(torch.ones(2, 8, dtype=torch.int64))
+        with pytest.raises(ValueError, match=r"shape \(\*, 8\)"):
+            layer(torch.randn(2, 7))
+        with pytest.raises(ValueError, match="weight is on"):
+            layer(torch.randn(2, 8, device="meta"))
+    with pytest.raises(TypeError, match="fp8_output must be a bool"):
+        f8.Linear(8, 4, fp8_output="yes")
+    with pytest.raises(TypeError, match="recipe must be"):
+        f8.autocast(recipe="hybrid")
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        f8.autocast(enabled=1)
+
+
+def test_history_length_follows_the_recipe() -> None:
+    layer = f8.Linear(16, 16)
+    assert layer.fp8_meta.forward.amax_history.shape == (1024, 3)
+    assert layer.fp8_meta.backward.amax_history.shape == (1024, 2)
+    x = torch.randn(4, 16, requires_grad=True)
+    _train_step(layer, x, torch.randn(4, 16), DelayedScaling(amax_history_len=5))
+    assert layer.fp8_meta.forward.amax_history.shape == (5, 3)
+    assert layer.fp8_meta.backward.amax_history.shape == (5, 2)
+    with pytest.warns(UserWarning, match="from 5 to 3"):
+        _train_step(layer, x, torch.randn(4, 16), DelayedScaling(amax_history_len=3))
+
+
+def test_backward_update_runs_once_per_backward_pass() -> None:
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(f8.Linear(16, 16), torch.nn.ReLU(), f8.Linear(16, 16))
+    recipe = DelayedScaling(amax_history_len=4)
+    x = torch.randn(8, 16)
+    with f8.autocast(recipe=recipe):
+        loss = model(x).square().sum()
+    for layer in (model[0], model[2]):
+        assert layer.fp8_meta.backward.update_count.tolist() == [0, 0]
+    loss.backward()
+    for layer in (model[0], model[2]):
+        assert layer.fp8_meta.backward.update_count.tolist() == [1, 0]
+        assert layer.fp8_meta.backward.amax_history[0].tolist() == [0, 0]
+
+
+def test_frozen_first_layer_still_updates_backward_states() -> None:
+    """The update is queued on the autograd engine, so it does not depend on which module's
+    backward runs last (a frozen first layer has no backward at all)."""
+    model = torch.nn.Sequential(f8.Linear(16, 16), f8.Linear(16, 16))
+    model[0].requires_grad_(False)
+    with f8.autocast():
+        loss = model(torch.randn(4, 16)).sum()
+    loss.backward()
+    assert model[1].fp8_meta.backward.update_count[GRAD_OUTPUT].item() == 1
+    assert model[0].fp8_meta.backward.update_count[GRAD_OUTPUT].item() == 0

@@ -1,0 +1,140 @@
+"""SPEC section 2: quantize / dequantize / current scaling against the numpy reference."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import fp8kit.torch as f8
+from fp8kit.formats import E4M3, E5M2, FP8Format
+from tests.reference import fp8_round, quantize_reference
+
+FORMATS = [(torch.float8_e4m3fn, E4M3), (torch.float8_e5m2, E5M2)]
+
+
+def _values(q: f8.Float8Tensor) -> np.ndarray:
+    return q.data.to(torch.float64).numpy()
+
+
+def test_spec_worked_number_11_cast_values() -> None:
+    e4 = f8.quantize(torch.tensor([300.0, 1000.0, -17.0, 0.3, 1e-4, 3 * 2**-10]), 1.0, E4M3)
+    assert _values(e4).tolist() == [288.0, 448.0, -16.0, 0.3125, 0.0, 2**-8]
+    e5 = f8.quantize(torch.tensor([1e-5, 5e-6, 60000.0, 3.3]), 1.0, torch.float8_e5m2)
+    assert _values(e5).tolist() == [2**-16, 0.0, 57344.0, 3.5]
+
+
+def test_spec_worked_number_12_scaled_cast_and_dequantize() -> None:
+    scale = torch.tensor(448.0 / 3.0)
+    q = f8.quantize(torch.tensor([1.0, -3.0, 2.0, 0.1]), scale, torch.float8_e4m3fn)
+    assert _values(q).tolist() == [144.0, -448.0, 288.0, 15.0]
+    expected = np.array([0.96428573, -3.0, 1.9285715, 0.10044643], np.float32)
+    np.testing.assert_array_equal(q.dequantize().numpy(), expected)
+    assert q.amax.item() == 3.0
+    assert q.scale_inv.dtype == torch.float32 and q.scale_inv.dim() == 0
+    assert q.scale_inv.item() == np.float32(1.0) / np.float32(scale.item())
+
+
+@pytest.mark.parametrize(("dtype", "fmt"), FORMATS)
+@pytest.mark.parametrize("scale", [1.0, 448.0 / 3.0, 2.0**-7, 12345.678])
+def test_random_values_match_reference(dtype: torch.dtype, fmt: FP8Format, scale: float) -> None:
+    gen = torch.Generator().manual_seed(hash((str(dtype), scale)) % 2**31)
+    x = torch.randn(4099, generator=gen) * torch.exp2(torch.randint(-12, 12, (4099,)).float())
+    q = f8.quantize(x, scale, dtype)
+    ref, amax = quantize_reference(x.numpy(), scale, fmt)
+    np.testing.assert_array_equal(_values(q), ref)
+    assert q.amax.item() == amax
+
+
+@pytest.mark.parametrize(("dtype", "fmt"), FORMATS)
+def test_edge_values(dtype: torch.dtype, fmt: FP8Format) -> None:
+    fmax, sub = fmt.max, fmt.min_subnormal
+    # Midpoints between neighbours exercise ties-to-even; values past fmax saturate.
+    edges = [0.0, -0.0, sub, -sub, sub / 2, sub * 0.51, sub * 1.5, fmt.min_normal, fmax, -fmax]
+    edges += [fmax * 1.01, -fmax * 1.5, 3.4e38, math.inf, -math.inf, 1 + 2**-4, 1 + 3 * 2**-4]
+    x = torch.tensor(edges, dtype=torch.float32)
+    q = f8.quantize(x, 1.0, dtype)
+    ref, _ = quantize_reference(x.numpy(), 1.0, fmt)
+    np.testing.assert_array_equal(_values(q), ref)
+    assert _values(q)[-4:-2].tolist() == [fmax, -fmax]  # +-inf saturate
+    assert q.amax.item() == math.inf
+
+
+@pytest.mark.parametrize(("dtype", "fmt"), FORMATS)
+def test_nan_stays_nan_and_is_ignored_by_amax(dtype: torch.dtype, fmt: FP8Format) -> None:
+    x = torch.tensor([1.0, math.nan, -7.0, math.nan])
+    q = f8.quantize(x, 2.0, dtype)
+    v = _values(q)
+    assert math.isnan(v[1]) and math.isnan(v[3])
+    assert v[0] == 2.0 and v[2] == -14.0
+    assert q.amax.item() == 7.0
+    all_nan = f8.quantize(torch.full((5,), math.nan), 1.0, dtype)
+    assert all_nan.amax.item() == 0.0
+    empty = f8.quantize(torch.zeros(0, 3), 1.0, dtype)
+    assert empty.data.shape == (0, 3) and empty.amax.item() == 0.0
+
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("dtype", "fmt"), FORMATS)
+def test_low_precision_inputs(in_dtype: torch.dtype, dtype: torch.dtype, fmt: FP8Format) -> None:
+    x = (torch.randn(1000) * 50).to(in_dtype)
+    q = f8.quantize(x, 3.0, dtype)
+    ref, amax = quantize_reference(x.to(torch.float32).numpy(), 3.0, fmt)
+    np.testing.assert_array_equal(_values(q), ref)
+    assert q.amax.item() == amax
+    assert q.data.shape == x.shape
+
+
+def test_every_bfloat16_bit_pattern_matches_reference() -> None:
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.bfloat16)
+    for dtype, fmt in FORMATS:
+        q = f8.quantize(x, 1.0, dtype)
+        ref = fp8_round(x.to(torch.float64).numpy(), fmt)
+        got = _values(q)
+        both_nan = np.isnan(got) & np.isnan(ref)
+        np.testing.assert_array_equal(got[~both_nan], ref[~both_nan])
+        assert (np.isnan(got) == np.isnan(ref)).all()
+
+
+def test_dequantize_dtypes_and_transpose() -> None:
+    x = torch.randn(32, 48)
+    q = f8.quantize(x, 8.0, torch.float8_e4m3fn)
+    assert q.dequantize(torch.bfloat16).dtype == torch.bfloat16
+    assert q.t().shape == (48, 32)
+    torch.testing.assert_close(q.t().dequantize(), q.dequantize().t(), rtol=0, atol=0)
+    rel = (q.dequantize() - x).norm() / x.norm()
+    assert rel < 2**-4  # E4M3 keeps 3 mantissa bits: relative error per element <= 2^-4
+
+
+@pytest.mark.parametrize(("dtype", "fmt"), FORMATS)
+def test_current_scaling_uses_the_tensors_own_amax(dtype: torch.dtype, fmt: FP8Format) -> None:
+    x = torch.randn(513) * 0.01
+    q = f8.quantize_current(x, dtype)
+    amax = np.float32(np.abs(x.numpy()).max())
+    scale = np.float32(fmt.max) / amax
+    ref, _ = quantize_reference(x.numpy(), float(scale), fmt)
+    np.testing.assert_array_equal(_values(q), ref)
+    assert q.scale_inv.item() == np.float32(1.0) / scale
+    assert np.abs(_values(q)).max() == fmt.max  # the largest element lands exactly on fmax
+    zeros = f8.quantize_current(torch.zeros(4), dtype)
+    assert zeros.scale_inv.item() == 1.0
+
+
+def test_bad_input_messages() -> None:
+    x = torch.randn(4)
+    with pytest.raises(TypeError, match=r"fp8_dtype must be one of"):
+        f8.quantize(x, 1.0, torch.float16)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        f8.quantize(torch.arange(4), 1.0, torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="scale must be a float32 tensor"):
+        f8.quantize(x, torch.tensor([1.0, 2.0]), torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="scale must be a float"):
+        f8.quantize(x, "2", torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="dtype must be"):
+        f8.quantize(x, 1.0, torch.float8_e4m3fn).dequantize(torch.int8)
+    if torch.device("meta") != x.device:
+        with pytest.raises(ValueError, match="same device|one device"):
+            f8.quantize(x, torch.tensor(1.0, device="meta"), torch.float8_e4m3fn)

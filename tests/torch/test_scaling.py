@@ -1,0 +1,279 @@
+"""SPEC sections 3, 9 and 10: the delayed-scaling update, through the public PyTorch API."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import fp8kit.torch as f8
+from fp8kit.formats import E4M3, E5M2, FLOAT32_MAX
+from fp8kit.recipe import DelayedScaling
+from fp8kit.torch.scaling import update_scaling_state
+from tests.reference import scale_sequence, update_reference
+
+INPUT = f8.FwdSlot.INPUT
+GRAD_OUTPUT = f8.BwdSlot.GRAD_OUTPUT
+
+
+def _x_with_amax(amax: float, features: int = 16) -> torch.Tensor:
+    x = torch.linspace(-0.5, 0.5, 4 * features).reshape(4, features) * abs(amax)
+    x[1, 3] = -amax if math.isfinite(amax) else amax
+    return x
+
+
+def forward_scales(amaxes: list[float | None], recipe: DelayedScaling) -> tuple[list[float], list]:
+    """Input-slot scale after each autocast exit when the input's amax follows ``amaxes``.
+
+    None means the module does not run in that step. Returns the scales and final history.
+    """
+    torch.manual_seed(0)
+    layer = f8.Linear(16, 16)
+    out = []
+    for a in amaxes:
+        with f8.autocast(recipe=recipe):
+            if a is not None:
+                layer(_x_with_amax(a))
+        out.append(layer.fp8_meta.forward.scale[INPUT].item())
+    return out, layer.fp8_meta.forward.amax_history[:, INPUT].tolist()
+
+
+def backward_scales(amaxes: list[float], recipe: DelayedScaling) -> list[float]:
+    """Grad-output-slot scale after each backward when dY's amax follows ``amaxes``."""
+    torch.manual_seed(0)
+    layer = f8.Linear(16, 16)
+    out = []
+    for a in amaxes:
+        with f8.autocast(recipe=recipe):
+            y = layer(torch.randn(4, 16))
+        y.backward(_x_with_amax(a))
+        out.append(layer.fp8_meta.backward.scale[GRAD_OUTPUT].item())
+    return out
+
+
+def f32(values: list[float]) -> list[float]:
+    return [float(np.float32(v)) for v in values]
+
+
+def test_worked_1_max_algorithm() -> None:
+    recipe = DelayedScaling(amax_history_len=4, fp8_format="e4m3")
+    amaxes = [1, 2, 8, 3, 0.5, 0.5, 0.5, 0.5]
+    scales, hist = forward_scales(amaxes[:4], recipe)
+    assert scales == f32([448, 224, 56, 56])
+    assert hist == [0, 2, 8, 3]
+    scales, hist = forward_scales(amaxes, recipe)
+    assert scales == f32([448, 224, 56, 56, 56, 56, 448 / 3, 896])
+    assert hist == [0, 0.5, 0.5, 0.5]
+
+
+def test_worked_2_most_recent() -> None:
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent")
+    scales, _ = forward_scales([1, 2, 8, 3, 0.5, 0.5, 0.5, 0.5], recipe)
+    assert scales == f32([448, 224, 56, 448 / 3, 896, 896, 896, 896])
+
+
+@pytest.mark.parametrize(("margin", "expected"), [(1, [224, 448 / 6]), (-1, [896, 448 * 2 / 3])])
+def test_worked_3_margin(margin: int, expected: list[float]) -> None:
+    scales, _ = forward_scales([1, 3], DelayedScaling(amax_history_len=2, margin=margin))
+    assert scales == f32(expected)
+    spec_printed = [224.0, 74.666664] if margin == 1 else [896.0, 298.66666]
+    assert scales == f32(spec_printed)
+
+
+def test_worked_4_e5m2_backward_under_hybrid() -> None:
+    scales = backward_scales([1, 3, 0.001], DelayedScaling(amax_history_len=2))
+    assert scales == f32([57344, 57344 / 3, 57344 / 3])
+
+
+def test_worked_5_zero_amax_is_skipped() -> None:
+    scales, hist = forward_scales([0, 0, 5], DelayedScaling(amax_history_len=3))
+    assert scales == f32([1, 1, 89.6])
+    assert hist == [0, 0, 5]
+    _, hist = forward_scales([0, 0], DelayedScaling(amax_history_len=3))
+    assert hist == [0, 0, 0]
+
+
+def test_worked_6_module_that_did_not_run_is_skipped() -> None:
+    scales, hist = forward_scales([8, 1, None], DelayedScaling(amax_history_len=2))
+    assert scales == f32([56, 56, 56])
+    assert hist == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("algo", "expected"),
+    [("max", [448, 448, 448, 448, 224]), ("most_recent", [448, 448, 224, 224, 224])],
+)
+def test_worked_7_inf_never_poisons_the_scale(algo: str, expected: list[float]) -> None:
+    recipe = DelayedScaling(amax_history_len=3, amax_compute_algo=algo)
+    scales, _ = forward_scales([1, math.inf, 2, 2, 2], recipe)
+    assert scales == f32(expected)
+
+
+def test_worked_8_history_of_one_and_float32_guards() -> None:
+    recipe = DelayedScaling(amax_history_len=1)
+    scales, hist = forward_scales([1e-37, 1e-30, 3e38], recipe)
+    assert scales == [FLOAT32_MAX, float(np.float32(4.48e32)), float(np.float32(1.4933333e-36))]
+    assert hist == [0]
+    scales, _ = forward_scales([4, 2, 0, 16], recipe)
+    assert scales == f32([112, 224, 224, 28])
+
+
+@pytest.mark.parametrize(
+    ("amax", "margin", "expected"), [(3, 0, 128), (3, 1, 64), (0.001, 0, 262144)]
+)
+def test_worked_9_power_of_two_scales(amax: float, margin: int, expected: float) -> None:
+    recipe = DelayedScaling(amax_history_len=1, power_2_scale=True, margin=margin)
+    assert forward_scales([amax], recipe)[0] == [expected]
+
+
+def test_worked_10_interval() -> None:
+    recipe = DelayedScaling(amax_history_len=4, interval=2)
+    scales, _ = forward_scales([1, 2, 8, 3], recipe)
+    assert scales == f32([448, 448, 56, 56])
+
+
+def test_worked_13_several_quantizations_fold_into_one_entry() -> None:
+    layer = f8.Linear(16, 16)
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        for a in (3.0, 5.0, 2.0):
+            layer(_x_with_amax(a))
+        assert layer.fp8_meta.forward.amax_history[0, INPUT].item() == 5.0
+    assert layer.fp8_meta.forward.amax_history[:, INPUT].tolist() == [0, 0, 0, 5]
+    assert layer.fp8_meta.forward.scale[INPUT].item() == pytest.approx(89.6, rel=1e-7)
+    assert layer.fp8_meta.forward.update_count[INPUT].item() == 1
+
+
+def test_callable_amax_algorithm_sees_the_current_amax_in_row_0() -> None:
+    seen = []
+
+    def mean_of_window(history: torch.Tensor) -> torch.Tensor:
+        seen.append(history.clone())
+        return history.sum(0) / history.shape[0]
+
+    recipe = DelayedScaling(amax_history_len=2, amax_compute_algo=mean_of_window)
+    scales, _ = forward_scales([2, 6], recipe)
+    assert seen[1][:, INPUT].tolist() == [6, 2]
+    assert scales == f32([448 / 1, 448 / 4])
+
+
+def test_callable_scaling_factor_and_its_guard() -> None:
+    def halve(amax, old_scale, fp8_max, recipe):
+        return fp8_max / amax / 2
+
+    scales, _ = forward_scales([4, 0.5], DelayedScaling(scaling_factor_compute_algo=halve))
+    assert scales == f32([56, 56])  # window max stays 4 with L=1024
+
+    def bad(amax, old_scale, fp8_max, recipe):
+        return torch.full_like(amax, math.nan)
+
+    scales, _ = forward_scales([4], DelayedScaling(scaling_factor_compute_algo=bad))
+    assert scales == [1.0]
+
+    def wrong_shape(amax, old_scale, fp8_max, recipe):
+        return torch.ones(7)
+
+    with pytest.raises(ValueError, match="scaling_factor_compute_algo must return"):
+        forward_scales([4], DelayedScaling(scaling_factor_compute_algo=wrong_shape))
+
+
+def test_no_grad_forward_accumulates_without_rolling() -> None:
+    layer = f8.Linear(16, 16)
+    recipe = DelayedScaling(amax_history_len=4)
+    with torch.no_grad(), f8.autocast(recipe=recipe):
+        layer(_x_with_amax(7.0))
+    state = layer.fp8_meta.forward
+    assert state.amax_history[0, INPUT].item() == 7.0 and state.scale[INPUT].item() == 1.0
+    with f8.autocast(recipe=recipe):
+        layer(_x_with_amax(2.0))
+    assert state.amax_history[:, INPUT].tolist() == [0, 0, 0, 7]
+    assert state.scale[INPUT].item() == 64.0
+
+
+def test_nested_autocast_updates_once_at_outermost_exit() -> None:
+    layer = f8.Linear(16, 16)
+    recipe = DelayedScaling(amax_history_len=4)
+    with f8.autocast(recipe=recipe):
+        with f8.autocast(recipe=recipe):
+            layer(_x_with_amax(2.0))
+        assert layer.fp8_meta.forward.update_count[INPUT].item() == 0
+        with f8.autocast(enabled=False):
+            y = layer(_x_with_amax(100.0))  # plain high precision: records nothing
+            torch.testing.assert_close(y, torch.nn.functional.linear(_x_with_amax(100.0),
+                                       layer.weight, layer.bias))
+    assert layer.fp8_meta.forward.amax_history[:, INPUT].tolist() == [0, 0, 0, 2]
+
+
+def test_exception_inside_autocast_keeps_staging_for_the_next_event() -> None:
+    layer = f8.Linear(16, 16)
+    recipe = DelayedScaling(amax_history_len=4)
+    with pytest.raises(RuntimeError, match="boom"), f8.autocast(recipe=recipe):
+        layer(_x_with_amax(9.0))
+        raise RuntimeError("boom")
+    assert layer.fp8_meta.forward.amax_history[0, INPUT].item() == 9.0
+    with f8.autocast(recipe=recipe):
+        layer(_x_with_amax(1.0))
+    assert layer.fp8_meta.forward.amax_history[:, INPUT].tolist() == [0, 0, 0, 9]
+
+
+def test_first_step_current_scaling() -> None:
+    recipe = DelayedScaling(amax_history_len=4, first_step_scaling="current")
+    layer = f8.Linear(16, 16)
+    x = _x_with_amax(1000.0)  # scale 1 would saturate everything above 448
+    with f8.autocast(recipe=recipe):
+        y = layer(x)
+    ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert ((y - ref).norm() / ref.norm()).item() < 0.08
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        y_unity = f8.Linear(16, 16)(x)
+    assert ((y_unity - ref).norm() / ref.norm()).item() > 0.1
+    # The history and the update are the same as with "unity".
+    assert layer.fp8_meta.forward.amax_history[:, INPUT].tolist() == [0, 0, 0, 1000]
+    assert layer.fp8_meta.forward.scale[INPUT].item() == pytest.approx(0.448)
+
+
+def _max_of_completed_history(h):
+    """A callable algorithm for numpy and torch: max over rows 1.. (row 0 if L == 1)."""
+    sub = h[1:] if h.shape[0] > 1 else h
+    return sub.amax(0) if isinstance(sub, torch.Tensor) else sub.max(0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_update_matches_per_slot_reference(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    algo = ["max", "most_recent", _max_of_completed_history][seed % 3]
+    recipe = DelayedScaling(
+        amax_history_len=int(rng.integers(1, 9)),
+        margin=int(rng.integers(-2, 3)),
+        interval=int(rng.integers(1, 4)),
+        amax_compute_algo=algo,
+        power_2_scale=bool(seed % 2),
+    )
+    n = 37
+    length = recipe.amax_history_len
+    hist = np.zeros((length, n), np.float32)
+    scale = np.ones(n, np.float32)
+    counts = np.zeros(n, np.int64)
+    th, ts, tc = map(torch.from_numpy, (hist.copy(), scale.copy(), counts.copy()))
+    fmax = [E4M3.max, E5M2.max][seed % 2]
+    specials = np.array([0, 0, math.inf, 1e-40, 3e38, 1e-30], np.float32)
+    for _ in range(12):
+        staged = np.exp2(rng.uniform(-20, 20, n)).astype(np.float32)
+        staged[rng.random(n) < 0.3] = 0.0
+        picks = rng.integers(0, n, 4)
+        staged[picks] = rng.choice(specials, 4)
+        hist[0] = staged
+        th[0] = torch.from_numpy(staged)
+        hist, scale, counts = update_reference(hist, scale, counts, recipe, fmax)
+        th, ts, tc = update_scaling_state(th, ts, tc, recipe, fmax)
+        np.testing.assert_array_equal(th.numpy(), hist)
+        np.testing.assert_array_equal(ts.numpy(), scale)
+        np.testing.assert_array_equal(tc.numpy(), counts)
+    assert np.isfinite(scale).all() and (scale > 0).all()
+
+
+def test_reference_sequences_agree_with_spec_numbers() -> None:
+    # The reference itself is checked against SPEC 10 item 1 so the two can't drift together.
+    scales, hist = scale_sequence([1, 2, 8, 3], DelayedScaling(amax_history_len=4), 448.0)
+    assert scales == f32([448, 224, 56, 56]) and hist.tolist() == [0, 2, 8, 3]
