@@ -6,13 +6,20 @@ Delayed-scaling FP8 training: :class:`autocast`, the drop-in :class:`Linear`,
 
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
 from fp8kit.torch.autocast import autocast, current_recipe, is_fp8_enabled
+from fp8kit.torch.checkpoint import (
+    from_per_rank_fp8_state_dict,
+    init_fp8_state,
+    per_rank_fp8_state_dict,
+)
 from fp8kit.torch.convert import convert_model
+from fp8kit.torch.distributed import AmaxReductionError, ddp_ignore_fp8_state
 from fp8kit.torch.gemm import Fp8GemmContractError, fp8_matmul, scaled_mm
 from fp8kit.torch.linear import Linear
 from fp8kit.torch.quantization import Float8Tensor, dequantize, quantize, quantize_current
 from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, ScalingState
 
 __all__ = [
+    "AmaxReductionError",
     "BwdSlot",
     "DelayedScaling",
     "FP8Meta",
@@ -26,9 +33,13 @@ __all__ = [
     "autocast",
     "convert_model",
     "current_recipe",
+    "ddp_ignore_fp8_state",
     "dequantize",
     "fp8_matmul",
+    "from_per_rank_fp8_state_dict",
+    "init_fp8_state",
     "is_fp8_enabled",
+    "per_rank_fp8_state_dict",
     "quantize",
     "quantize_current",
     "scaled_mm",

@@ -3,6 +3,12 @@
 Forward states that ran (with grad enabled) inside the outermost enabled autocast are updated
 together when it exits, if grad mode is on at that moment. Backward states are updated together
 once per backward pass, from an autograd-engine callback that runs after the last backward node.
+
+With amax reduction (``torch.distributed``, ``reduce_amax=True``) an update event is a collective,
+so it must happen on every rank even where no module of that (recipe, group) ran: the outermost
+autocast runs a forward event for every (recipe, group) of an enabled autocast entered in its body
+(in order of first entry), and each forward event arms the backward event of its (recipe, group)
+for the next backward pass (see :mod:`fp8kit.torch.update` for what an event reduces).
 """
 
 from __future__ import annotations
@@ -23,31 +29,39 @@ __all__ = ["autocast", "current_recipe", "is_fp8_enabled"]
 
 @dataclass
 class _PendingUpdate:
-    """States waiting for one update event under one (recipe, group)."""
+    """States waiting for one update event of one direction under one (recipe, group)."""
 
     recipe: DelayedScaling
     group: Any
+    direction: str  # "forward" or "backward"
     states: dict[int, ScalingState] = field(default_factory=dict)
 
-    def run(self, fmax: float) -> None:
-        states = list(self.states.values())
-        lengths = {s.history_len for s in states}
-        if len(lengths) > 1:  # pragma: no cover - modules are resized before they record
-            raise RuntimeError(f"fp8kit: states under one recipe have history lengths {lengths}")
-        update_states(states, self.recipe, fmax, self.group)
+    def run(self) -> None:
+        fmt = self.recipe.fp8_format
+        fmax = fmt.forward.max if self.direction == "forward" else fmt.backward.max
+        update_states(
+            list(self.states.values()), self.recipe, fmax, self.group, direction=self.direction
+        )
 
 
-def _add_pending(
-    pending: dict[tuple[DelayedScaling, int], _PendingUpdate],
-    state: ScalingState,
-    recipe: DelayedScaling,
-    group: Any,
-) -> None:
+_Pending = dict[tuple[DelayedScaling, int], _PendingUpdate]
+
+
+def _pending_entry(
+    pending: _Pending, recipe: DelayedScaling, group: Any, direction: str
+) -> _PendingUpdate:
+    """The entry of ``(recipe, group)`` in ``pending``, created (at the end) if absent."""
     key = (recipe, id(group))
     entry = pending.get(key)
     if entry is None:
-        entry = pending[key] = _PendingUpdate(recipe, group)
-    entry.states.setdefault(id(state), state)
+        entry = pending[key] = _PendingUpdate(recipe, group, direction)
+    return entry
+
+
+def _add_pending(
+    pending: _Pending, state: ScalingState, recipe: DelayedScaling, group: Any, direction: str
+) -> None:
+    _pending_entry(pending, recipe, group, direction).states.setdefault(id(state), state)
 
 
 @dataclass
@@ -56,7 +70,7 @@ class _Frame:
     recipe: Recipe
     group: Any
     owns_updates: bool
-    forward_pending: dict[tuple[DelayedScaling, int], _PendingUpdate] = field(default_factory=dict)
+    forward_pending: _Pending = field(default_factory=dict)
 
 
 _local = threading.local()
@@ -99,10 +113,17 @@ def register_forward_state(state: ScalingState, recipe: DelayedScaling, group: A
     Call it only for quantizations made with grad mode on (the module decides): under
     ``torch.no_grad()`` the staging row keeps accumulating and nothing rolls.
     """
+    owner = _owner_frame()
+    if owner is not None:
+        _add_pending(owner.forward_pending, state, recipe, group, "forward")
+
+
+def _owner_frame() -> _Frame | None:
+    """The outermost enabled frame, which runs the forward updates at its exit."""
     for frame in _stack():
         if frame.owns_updates:
-            _add_pending(frame.forward_pending, state, recipe, group)
-            return
+            return frame
+    return None
 
 
 class autocast(contextlib.ContextDecorator):
@@ -147,6 +168,12 @@ class autocast(contextlib.ContextDecorator):
         frame = _Frame(self.enabled, self.recipe, self.group, owns)
         stack.append(frame)
         self._frames.append(frame)
+        if self.enabled and isinstance(self.recipe, DelayedScaling):
+            # Every rank enters the same autocasts, so this fixes the same events, in the same
+            # order, on every rank, whichever modules run (needed when events are collectives).
+            owner = _owner_frame()
+            if owner is not None:
+                _pending_entry(owner.forward_pending, self.recipe, self.group, "forward")
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -157,14 +184,15 @@ class autocast(contextlib.ContextDecorator):
         stack.pop()
         if frame.owns_updates and exc_type is None and torch.is_grad_enabled():
             for pending in frame.forward_pending.values():
-                pending.run(pending.recipe.fp8_format.forward.max)
+                pending.run()
+                _arm_backward_update(pending.recipe, pending.group)
 
 
 # ---------------------------------------------------------------------------------------------
 # Backward updates: one per backward pass, after the last FP8 backward node has run.
 
 _backward_lock = threading.Lock()
-_backward_pending: dict[tuple[DelayedScaling, int], _PendingUpdate] = {}
+_backward_pending: _Pending = {}
 _backward_callback_queued = False
 
 
@@ -175,14 +203,25 @@ def _flush_backward_updates() -> None:
         _backward_pending.clear()
         _backward_callback_queued = False
     for entry in pending:
-        entry.run(entry.recipe.fp8_format.backward.max)
+        entry.run()
+
+
+def _arm_backward_update(recipe: DelayedScaling, group: Any) -> None:
+    """Make the next backward pass run the backward event of ``(recipe, group)``.
+
+    With amax reduction this keeps ranks in step when a backward pass reaches modules of
+    ``(recipe, group)`` on some ranks only (the pass must reach some FP8 module on every rank).
+    Without reduction an event with no states is a no-op.
+    """
+    with _backward_lock:
+        _pending_entry(_backward_pending, recipe, group, "backward")
 
 
 def schedule_backward_update(state: ScalingState, recipe: DelayedScaling, group: Any) -> None:
     """Queue ``state`` for the backward update that runs when this backward pass ends."""
     global _backward_callback_queued
     with _backward_lock:
-        _add_pending(_backward_pending, state, recipe, group)
+        _add_pending(_backward_pending, state, recipe, group, "backward")
         if _backward_callback_queued:
             return
         _backward_callback_queued = True

@@ -150,10 +150,10 @@ def fp8_linear(
     Returns:
         ``(*, N)`` tensor of ``x.dtype``.
     """
-    lead = x.shape[:-1]
-    x2d = x.reshape(-1, x.shape[-1])
+    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     y = _LinearFunction.apply(x2d, weight, bias, run, gemm, cached_weight, fp8_output, fp8_grad)
-    return y.reshape(*lead, weight.shape[0])
+    # Reshape only when needed: a view of a custom Function's output upsets FSDP2's hooks.
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class Linear(nn.Linear):

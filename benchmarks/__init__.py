@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks that print markdown tables (not tests): ``python -m benchmarks.X``."""

@@ -1,0 +1,129 @@
+"""Checkpoint helpers for FP8 state (SPEC section 6): torch.save and DCP.
+
+FP8 state is ordinary fixed-shape tensors in ``state_dict`` (``fp8_meta.forward.amax_history``
+``(L, n)``, ``.scale`` ``(n,)``, ``.update_count`` ``(n,)``) plus the recipe as JSON data, so any
+checkpointer can save it. Loading with a planner that writes into existing tensors, as
+``torch.distributed.checkpoint`` (DCP) does, needs destination tensors of the saved shape, while a
+module is built with ``L = 1024`` and only resized at its first forward under a recipe:
+:func:`init_fp8_state` sizes every FP8 state for a recipe up front.
+
+DCP saves one copy of every (non-DTensor) tensor, as if all ranks held the same: right with
+``reduce_amax=True``; with ``reduce_amax=False`` use :func:`per_rank_fp8_state_dict` so that
+every rank saves and loads its own FP8 state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp8kit.recipe import DelayedScaling
+from fp8kit.torch.state import FP8Meta
+
+__all__ = [
+    "fp8_metas",
+    "from_per_rank_fp8_state_dict",
+    "init_fp8_state",
+    "per_rank_fp8_state_dict",
+]
+
+
+def fp8_metas(model: nn.Module) -> list[tuple[str, FP8Meta]]:
+    """Every :class:`FP8Meta` in ``model`` with its fully qualified name, in module order."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, FP8Meta)]
+
+
+def init_fp8_state(model: nn.Module, recipe: DelayedScaling | None = None) -> nn.Module:
+    """Size every FP8 scaling state of ``model`` for ``recipe`` (default ``DelayedScaling()``).
+
+    Call it on a freshly built model before loading a checkpoint saved under ``recipe`` with
+    ``torch.distributed.checkpoint.load`` (which needs destination tensors of the saved shapes),
+    or to fix the state shapes before the first step. Histories get ``recipe.amax_history_len``
+    rows (a state that already holds values is resized with a warning, as at a forward under a
+    new recipe) and the recipe is recorded in each state's extra state.
+
+    Returns:
+        ``model`` itself.
+    """
+    if recipe is None:
+        recipe = DelayedScaling()
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(
+            "recipe must be None or a fp8kit.recipe.DelayedScaling (the only recipe with "
+            f"state), got {type(recipe).__name__}"
+        )
+    length = recipe.amax_history_len
+    data = recipe.to_dict()
+    for _, meta in fp8_metas(model):
+        meta.set_history_len(length, f"init_fp8_state with amax_history_len={length}")
+        meta.forward.recipe_data = data
+        meta.backward.recipe_data = data
+    return model
+
+
+def _fp8_tensor_keys(model: nn.Module) -> list[str]:
+    """State-dict keys of every FP8 state tensor of ``model`` (histories, scales, counts)."""
+    keys = []
+    for prefix, meta in fp8_metas(model):
+        for name, _ in meta.named_buffers():
+            if "scale_inv" not in name:  # derived, not saved
+                keys.append(f"{prefix}.{name}" if prefix else name)
+    return keys
+
+
+def _rank(rank: int | None) -> int:
+    if rank is not None:
+        return rank
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def per_rank_fp8_state_dict(
+    state_dict: dict[str, Any], model: nn.Module, rank: int | None = None
+) -> dict[str, Any]:
+    """Key ``model``'s FP8 state tensors in ``state_dict`` by rank, for DCP with per-rank state.
+
+    ``torch.distributed.checkpoint`` treats ordinary tensors as replicated and saves one copy
+    per key. That is right with ``reduce_amax=True`` (every rank holds the same state) but keeps
+    only one rank's state with ``reduce_amax=False``. This returns a shallow copy of
+    ``state_dict`` in which every FP8 history, scale and count ``k`` is renamed ``k.rank{r}``, so
+    every rank saves its own; :func:`from_per_rank_fp8_state_dict` undoes it after a load. Use it
+    on both sides (save and load template) with the same world size.
+
+    Args:
+        state_dict: ``model.state_dict()`` (or a DCP template built from it).
+        model: the module it came from (names FP8 state keys).
+        rank: the suffix to use; default this process's rank (0 without torch.distributed).
+    """
+    r = _rank(rank)
+    out = dict(state_dict)
+    for key in _fp8_tensor_keys(model):
+        if key in out:
+            out[f"{key}.rank{r}"] = out.pop(key)
+    return out
+
+
+def from_per_rank_fp8_state_dict(
+    state_dict: dict[str, Any], model: nn.Module, rank: int | None = None
+) -> dict[str, Any]:
+    """Inverse of :func:`per_rank_fp8_state_dict`: back to ``model.state_dict()`` keys.
+
+    Raises:
+        KeyError: if ``state_dict`` lacks this rank's entries (saved with another world size or
+            without :func:`per_rank_fp8_state_dict`).
+    """
+    r = _rank(rank)
+    out = dict(state_dict)
+    for key in _fp8_tensor_keys(model):
+        ranked = f"{key}.rank{r}"
+        if ranked not in out:
+            raise KeyError(
+                f"{ranked!r} is missing: the state dict has no FP8 state for rank {r} (was it "
+                "saved with per_rank_fp8_state_dict and the same world size?)"
+            )
+        out[key] = out.pop(ranked)
+    return out

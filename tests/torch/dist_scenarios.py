@@ -1,0 +1,525 @@
+"""Worker side of the distributed tests: scenarios that run inside gloo ranks.
+
+Every scenario is ``scenario_x(rank, world_size, workdir) -> plain data`` (lists, dicts, numbers,
+strings); ``tests/torch/test_distributed.py`` runs them in a few jobs (``job_*``) and checks the
+per-rank results against independent references. Each scenario uses its own recipe (its own
+``amax_history_len``), hence its own fp8kit registries, and frees its modules at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import fp8kit.torch as f8
+from fp8kit.recipe import DelayedScaling
+from fp8kit.torch.checkpoint import (
+    from_per_rank_fp8_state_dict,
+    init_fp8_state,
+    per_rank_fp8_state_dict,
+)
+from fp8kit.torch.distributed import AmaxReductionError, ddp_ignore_fp8_state
+from tests.torch.dist_helpers import run_scenarios
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _recipe(history_len: int, **kw: Any) -> DelayedScaling:
+    # Each scenario uses its own amax_history_len, hence its own (recipe, group) registries.
+    return DelayedScaling(amax_history_len=history_len, **kw)
+
+
+def _state(s: f8.ScalingState) -> dict[str, list]:
+    return {
+        "history": s.amax_history.tolist(),
+        "scale": s.scale.tolist(),
+        "count": s.update_count.tolist(),
+    }
+
+
+def _meta(module: nn.Module) -> dict[str, dict[str, list]]:
+    return {
+        "forward": _state(module.fp8_meta.forward),
+        "backward": _state(module.fp8_meta.backward),
+    }
+
+
+def _model_states(model: nn.Module) -> list[dict[str, dict[str, list]]]:
+    return [_meta(m) for m in model.modules() if isinstance(m, f8.Linear)]
+
+
+def _x(amax: float, rows: int = 2, features: int = 16) -> torch.Tensor:
+    """An input whose amax is exactly ``amax``."""
+    x = torch.linspace(-0.25, 0.25, rows * features).reshape(rows, features) * amax
+    x[0, 1] = amax
+    return x
+
+
+@contextmanager
+def _count_collectives() -> Iterator[dict[str, int]]:
+    """Count calls of the torch.distributed collectives fp8kit may use."""
+    counts = {"all_reduce": 0, "all_gather": 0, "all_gather_object": 0}
+    originals = {name: getattr(dist, name) for name in counts}
+
+    def wrap(name: str) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return counted
+
+    for name in counts:
+        setattr(dist, name, wrap(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _cleanup() -> None:
+    gc.collect()
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios
+
+
+def scenario_spec14(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """SPEC 10 item 14: input amax 2 on rank 0 and 5 on rank 1."""
+    out = {}
+    for reduce in (True, False):
+        torch.manual_seed(0)
+        layer = f8.Linear(16, 16)
+        with f8.autocast(recipe=_recipe(3, reduce_amax=reduce)):
+            y = layer(_x(2.0 if rank == 0 else 5.0))
+        y.sum().backward()
+        out[str(reduce)] = _meta(layer)
+    return out
+
+
+def scenario_collective_count(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """Collectives per step for 1 and 6 modules: one all-reduce per direction per event."""
+    out = {}
+    for n in (1, 6):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[f8.Linear(16, 16) for _ in range(n)])
+        recipe = _recipe(4 + n)
+        steps = []
+        for _ in range(3):
+            with _count_collectives() as counts:
+                with f8.autocast(recipe=recipe):
+                    y = model(_x(1.0 + rank))
+                y.sum().backward()
+            steps.append(dict(counts))
+        out[str(n)] = steps
+        del model
+        _cleanup()
+    return out
+
+
+def _run_moe_steps(
+    rank: int, pattern: list[list[list[bool]]], amax_of: Callable[[int, int, int], float]
+) -> dict[str, Any]:
+    """A gate that always runs plus experts that run where ``pattern[step][rank][expert]``."""
+    torch.manual_seed(0)
+    n_experts = len(pattern[0][0])
+    gate = f8.Linear(16, 16)
+    experts = nn.ModuleList(f8.Linear(16, 16) for _ in range(n_experts))
+    recipe = _recipe(4)
+    steps = []
+    for step, ranks in enumerate(pattern):
+        with f8.autocast(recipe=recipe):
+            loss = gate(_x(1.0)).sum()
+            for e, expert in enumerate(experts):
+                if ranks[rank][e]:
+                    loss = loss + expert(_x(amax_of(step, rank, e))).sum()
+        loss.backward()
+        steps.append([_meta(expert) for expert in experts])
+    weight_amax = [float(expert.weight.detach().abs().max()) for expert in experts]
+    del gate, experts
+    _cleanup()
+    return {"steps": steps, "weight_amax": weight_amax}
+
+
+def moe_amax(step: int, rank: int, expert: int) -> float:
+    return 1.0 + 0.75 * step + 2.5 * rank + 0.5 * expert
+
+
+# Step 0: everything runs everywhere (registration). Then experts run on some ranks only.
+MOE_PATTERN_2 = [
+    [[True, True, True], [True, True, True]],
+    [[True, False, True], [False, False, True]],  # e0 on rank 0 only, e1 nowhere
+    [[False, False, False], [False, True, True]],  # e0 nowhere, e1/e2 on rank 1 only
+    [[True, True, True], [True, True, True]],
+]
+MOE_PATTERN_4 = [
+    [[True, True]] * 4,
+    [[False, True], [False, False], [True, False], [False, True]],
+    [[False, False], [False, False], [False, False], [True, False]],
+    [[False, False], [False, True], [False, False], [False, False]],
+]
+
+
+def scenario_moe(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    pattern = MOE_PATTERN_2 if world == 2 else MOE_PATTERN_4
+    return _run_moe_steps(rank, pattern, moe_amax)
+
+
+def scenario_mismatch_first_step(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """Rank 1 (and 3) run an extra module in the first step: every rank must raise."""
+    torch.manual_seed(0)
+    a, b = f8.Linear(16, 16), f8.Linear(16, 16)
+    message = None
+    try:
+        with f8.autocast(recipe=_recipe(7)):
+            y = a(_x(1.0))
+            if rank % 2 == 1:
+                y = b(y)
+    except AmaxReductionError as exc:
+        message = str(exc)
+    del a, b
+    _cleanup()
+    return {"message": message}
+
+
+def scenario_mismatch_later_step(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """A module first runs in step 2 on rank 1 only: the registry change is caught, no hang."""
+    torch.manual_seed(0)
+    a, b = f8.Linear(16, 16), f8.Linear(16, 16)
+    recipe = _recipe(8)
+    with f8.autocast(recipe=recipe):
+        y = a(_x(1.0))
+    y.sum().backward()
+    message = None
+    try:
+        with f8.autocast(recipe=recipe):
+            y = a(_x(1.0))
+            if rank == 1:
+                y = b(y)
+    except AmaxReductionError as exc:
+        message = str(exc)
+    del a, b
+    _cleanup()
+    return {"message": message}
+
+
+def scenario_registry_changes(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """A module added on all ranks in step 2 and deleted in step 4: re-checked, no error."""
+    torch.manual_seed(0)
+    a, b = f8.Linear(16, 16), f8.Linear(16, 16)
+    recipe = _recipe(9)
+    steps = []
+    for step in range(5):
+        with _count_collectives() as counts:
+            with f8.autocast(recipe=recipe):
+                y = a(_x(1.0))
+                if 1 <= step <= 2:
+                    y = b(_x(3.0 + step + 2 * rank)) + y
+            y.sum().backward()
+        b_state = _meta(b) if b is not None else None
+        steps.append({"counts": dict(counts), "a": _meta(a), "b": b_state})
+        if step == 2:
+            b = None
+            _cleanup()
+    del a
+    _cleanup()
+    return {"steps": steps}
+
+
+def scenario_no_grad_leftover(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """A no_grad forward on rank 0 leaves staging that never leaks into the reduction."""
+    torch.manual_seed(0)
+    a, b = f8.Linear(16, 16), f8.Linear(16, 16)
+    recipe = _recipe(17)
+    out = []
+    for step in range(3):
+        if step == 1 and rank == 0:
+            with torch.no_grad(), f8.autocast(recipe=recipe):
+                b(_x(9.0))
+        with f8.autocast(recipe=recipe):
+            y = a(_x(1.0))
+            if step == 0 or (step == 2 and rank == 1):
+                y = y + b(_x(3.0))
+        y.sum().backward()
+        out.append(_meta(b)["forward"])
+    del a, b
+    _cleanup()
+    return {"b": out}
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def _global_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 16, generator=gen)
+    x[4:] *= 4.0  # rank 1's rows are larger: local amaxes differ from the global ones
+    return x, torch.randn(8, 16, generator=gen)
+
+
+def _train(
+    model: nn.Module,
+    recipe: DelayedScaling,
+    x: torch.Tensor,
+    t: torch.Tensor,
+    steps: int,
+    grads: Callable[[nn.Module], list[torch.Tensor]],
+) -> list[dict[str, Any]]:
+    """SGD steps on ``(x, t)``; per step the gradients (full tensors) and the FP8 states."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = []
+    for _ in range(steps):
+        with f8.autocast(recipe=recipe):
+            y = model(x)
+        loss = F.mse_loss(y, t)
+        opt.zero_grad()
+        loss.backward()
+        out.append({"grads": [g.tolist() for g in grads(model)], "states": _model_states(model)})
+        opt.step()
+    return out
+
+
+def _local_grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in model.parameters()]
+
+
+def _full_grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.full_tensor() for p in model.parameters()]  # FSDP2 DTensor gradients
+
+
+def _reference_run(recipe: DelayedScaling, steps: int) -> list[dict[str, Any]]:
+    """The same training on the global batch in this process alone (no reduction)."""
+    torch.manual_seed(0)
+    model = f8.convert_model(mlp())
+    x, t = _global_batch()
+    local = dataclasses.replace(recipe, reduce_amax=False)
+    res = _train(model, local, x, t, steps, _local_grads)
+    del model
+    _cleanup()
+    return res
+
+
+def shard(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, t = _global_batch()
+    rows = x.shape[0] // world
+    return x[rank * rows : (rank + 1) * rows], t[rank * rows : (rank + 1) * rows]
+
+
+def scenario_ddp(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """DDP with default arguments (broadcast_buffers=True) and reduce_amax=True."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    recipe = _recipe(10)
+    torch.manual_seed(0)
+    ddp = DDP(f8.convert_model(mlp()))
+    x, t = shard(rank, world)
+    run = _train(ddp, recipe, x, t, 3, _local_grads)
+    del ddp
+    _cleanup()
+    return {"run": run, "reference": _reference_run(recipe, 3) if rank == 0 else None}
+
+
+def scenario_ddp_independent(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """reduce_amax=False under DDP: ddp_ignore_fp8_state keeps every rank's own states."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    recipe = _recipe(11, reduce_amax=False)
+    torch.manual_seed(0)
+    model = f8.convert_model(mlp())
+    ignored = ddp_ignore_fp8_state(model)
+    ddp = DDP(model)  # broadcast_buffers=True: would overwrite ranks' FP8 states otherwise
+    x, t = shard(rank, world)
+    run = _train(ddp, recipe, x, t, 2, lambda m: [])
+    del ddp, model
+    _cleanup()
+    return {"run": run, "ignored": ignored}
+
+
+def scenario_fsdp2(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """FSDP2 (fully_shard per Linear and at the root) with reduce_amax=True."""
+    from torch.distributed.fsdp import fully_shard
+
+    recipe = _recipe(12)
+    torch.manual_seed(0)
+    model = f8.convert_model(mlp())
+    for layer in model:
+        if isinstance(layer, f8.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    x, t = shard(rank, world)
+    run = _train(model, recipe, x, t, 3, _full_grads)
+    del model
+    _cleanup()
+    return {"run": run, "reference": _reference_run(recipe, 3) if rank == 0 else None}
+
+
+def _steps(model: nn.Module, recipe: DelayedScaling, rank: int, first: int, n: int) -> list:
+    """n steps (inputs depend on rank and step); per step the output and the FP8 states."""
+    out = []
+    for step in range(first, first + n):
+        with f8.autocast(recipe=recipe):
+            y = model(_x(1.0 + step + 3.0 * rank, rows=4))
+        y.sum().backward()
+        out.append({"y": y.tolist(), "states": _model_states(model)})
+    return out
+
+
+def scenario_checkpoint_resume(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """torch.save/load: with reduction any rank's file resumes every rank; without, each its own."""
+    out: dict[str, Any] = {}
+    for reduce, length in ((True, 13), (False, 14)):
+        recipe = _recipe(length, reduce_amax=reduce)
+        torch.manual_seed(0)
+        model = f8.convert_model(mlp())
+        _steps(model, recipe, rank, 0, 2)
+        path = Path(workdir) / f"ckpt_{reduce}_rank{rank}.pt"
+        torch.save(model.state_dict(), path)
+        dist.barrier()
+        continued = _steps(model, recipe, rank, 2, 2)
+        # With reduction every rank loads rank 1's file (any rank's state is every rank's).
+        source = Path(workdir) / f"ckpt_{reduce}_rank{1 if reduce else rank}.pt"
+        torch.manual_seed(123)  # different init: everything must come from the checkpoint
+        fresh = f8.convert_model(mlp())
+        fresh.load_state_dict(torch.load(source, weights_only=True))
+        resumed = _steps(fresh, recipe, rank, 2, 2)
+        out[str(reduce)] = {"continued": continued, "resumed": resumed}
+        del model, fresh
+        _cleanup()
+    return out
+
+
+def scenario_dcp_fsdp2(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """DCP save/load of an FSDP2 model (sharded weights, replicated FP8 state), reduce_amax."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    recipe = _recipe(15)
+
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        model = init_fp8_state(f8.convert_model(mlp()), recipe)
+        for layer in model:
+            if isinstance(layer, f8.Linear):
+                fully_shard(layer)
+        return fully_shard(model)
+
+    model = build(0)
+    _steps(model, recipe, rank, 0, 2)
+    ckpt = str(Path(workdir) / "dcp_fsdp2")
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=ckpt)
+    continued = _steps(model, recipe, rank, 2, 2)
+    fresh = build(123)
+    sd = {"model": get_model_state_dict(fresh)}
+    dcp.load(sd, checkpoint_id=ckpt)
+    set_model_state_dict(fresh, sd["model"])
+    resumed = _steps(fresh, recipe, rank, 2, 2)
+    # Without init_fp8_state the destination histories have the default 1024 rows.
+    torch.manual_seed(0)
+    unsized = f8.convert_model(mlp())
+    error = None
+    try:
+        dcp.load({"model": unsized.state_dict()}, checkpoint_id=ckpt)
+    except dcp.api.CheckpointException as exc:  # a BaseException
+        error = f"{type(exc).__name__}: {exc}"
+    del model, fresh, unsized
+    _cleanup()
+    return {"continued": continued, "resumed": resumed, "unsized_error": error}
+
+
+def scenario_dcp_per_rank(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """reduce_amax=False with DCP: per-rank keys keep every rank's own state."""
+    import torch.distributed.checkpoint as dcp
+
+    recipe = _recipe(16, reduce_amax=False)
+    torch.manual_seed(0)
+    model = f8.convert_model(mlp())
+    _steps(model, recipe, rank, 0, 2)
+    ckpt = str(Path(workdir) / "dcp_per_rank")
+    dcp.save({"model": per_rank_fp8_state_dict(model.state_dict(), model)}, checkpoint_id=ckpt)
+    continued = _steps(model, recipe, rank, 2, 2)
+    torch.manual_seed(123)
+    fresh = init_fp8_state(f8.convert_model(mlp()), recipe)
+    sd = {"model": per_rank_fp8_state_dict(fresh.state_dict(), fresh)}
+    dcp.load(sd, checkpoint_id=ckpt)
+    fresh.load_state_dict(from_per_rank_fp8_state_dict(sd["model"], fresh))
+    resumed = _steps(fresh, recipe, rank, 2, 2)
+    del model, fresh
+    _cleanup()
+    return {"continued": continued, "resumed": resumed}
+
+
+def scenario_example(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """examples/distributed_train.py's training function, with DDP and with FSDP2."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "distributed_train.py"
+    spec = importlib.util.spec_from_file_location("distributed_train_example", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    losses = {wrap: example.train(wrap, steps=3) for wrap in ("ddp", "fsdp2")}
+    _cleanup()
+    return losses
+
+
+SCENARIOS_2 = [
+    scenario_spec14,
+    scenario_collective_count,
+    scenario_moe,
+    scenario_mismatch_first_step,
+    scenario_mismatch_later_step,
+    scenario_registry_changes,
+    scenario_no_grad_leftover,
+    scenario_ddp,
+    scenario_ddp_independent,
+    scenario_fsdp2,
+    scenario_checkpoint_resume,
+    scenario_dcp_fsdp2,
+    scenario_dcp_per_rank,
+    scenario_example,
+]
+SCENARIOS_4 = [scenario_moe, scenario_mismatch_first_step]
+
+
+def job_two_ranks(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    return run_scenarios(SCENARIOS_2, rank, world, workdir)
+
+
+def job_four_ranks(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    return run_scenarios(SCENARIOS_4, rank, world, workdir)
+
+
+def job_rank_never_arrives(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """Rank 1 never reaches the update event; rank 0 must fail within the group timeout."""
+    release = Path(workdir) / "release"
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"message": None}
+    torch.manual_seed(0)
+    layer = f8.Linear(16, 16)
+    start = time.monotonic()
+    message = None
+    try:
+        with f8.autocast(recipe=_recipe(5)):
+            layer(_x(1.0))
+    except AmaxReductionError as exc:
+        message = str(exc)
+    elapsed = time.monotonic() - start
+    release.touch()
+    return {"message": message, "elapsed": elapsed}

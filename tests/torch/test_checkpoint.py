@@ -1,0 +1,126 @@
+"""SPEC section 6: FP8 state in state_dict, weights_only loading, resizing, bit-exact resume."""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+
+import pytest
+import torch
+
+import fp8kit.torch as f8
+from fp8kit.recipe import DelayedScaling, recipe_from_dict
+from fp8kit.torch.state import resize_history
+
+RECIPE = DelayedScaling(amax_history_len=8, margin=1, amax_compute_algo="most_recent")
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(f8.Linear(32, 64), torch.nn.GELU(), f8.Linear(64, 16))
+
+
+def _steps(model: torch.nn.Module, n: int, seed: int) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(seed)
+    outs = []
+    for _ in range(n):
+        x = torch.randn(24, 32, generator=gen) * 4
+        with f8.autocast(recipe=RECIPE):
+            y = model(x)
+        y.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        outs.append(y.detach())
+    return outs
+
+
+def _roundtrip(sd: dict) -> dict:
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def test_state_dict_keys_shapes_and_weights_only_load() -> None:
+    model = _model()
+    _steps(model, 2, seed=1)
+    sd = model.state_dict()
+    assert sd["0.fp8_meta.forward.amax_history"].shape == (8, 3)
+    assert sd["0.fp8_meta.forward.scale"].shape == (3,)
+    assert sd["0.fp8_meta.forward.update_count"].dtype == torch.int64
+    assert sd["2.fp8_meta.backward.amax_history"].shape == (8, 2)
+    assert "0.fp8_meta.forward.scale_inv" not in sd  # derived, recomputed on load
+    loaded = _roundtrip(sd)
+    extra = loaded["0.fp8_meta.forward._extra_state"]
+    json.dumps(extra)  # plain JSON-compatible data
+    assert recipe_from_dict(extra["recipe"]) == RECIPE
+
+
+def test_resume_in_a_fresh_model_is_bit_identical() -> None:
+    a = _model(seed=0)
+    _steps(a, 3, seed=2)
+    with torch.no_grad(), f8.autocast(recipe=RECIPE):
+        a(torch.randn(4, 32) * 100)  # leaves a non-zero staging row in the checkpoint
+    b = _model(seed=123)  # different weights: everything must come from the checkpoint
+    b.load_state_dict(_roundtrip(a.state_dict()))
+    for name, t in a.state_dict().items():
+        if isinstance(t, torch.Tensor):
+            assert torch.equal(t, b.state_dict()[name]), name
+    assert torch.equal(
+        b[0].fp8_meta.forward.scale_inv, torch.reciprocal(a[0].fp8_meta.forward.scale)
+    )
+    outs_a = _steps(a, 3, seed=3)
+    outs_b = _steps(b, 3, seed=3)
+    for ya, yb in zip(outs_a, outs_b, strict=True):
+        assert torch.equal(ya, yb)
+    for name, t in a.state_dict().items():
+        if isinstance(t, torch.Tensor):
+            assert torch.equal(t, b.state_dict()[name]), name
+
+
+def test_loading_another_history_length_adopts_it_then_the_recipe_resizes() -> None:
+    a = _model()
+    _steps(a, 5, seed=4)
+    b = _model()
+    assert b[0].fp8_meta.forward.history_len == 1024
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # adopting the saved length loses nothing: no warning
+        b.load_state_dict(a.state_dict())
+    assert b[0].fp8_meta.forward.history_len == 8
+    saved = a[0].fp8_meta.forward.amax_history.clone()
+    shorter = DelayedScaling(amax_history_len=4)
+    with pytest.warns(UserWarning, match="from 8 to 4 entries.*oldest entries are dropped"):
+        with f8.autocast(recipe=shorter), torch.no_grad():
+            b(torch.zeros(1, 32))
+    assert torch.equal(b[0].fp8_meta.forward.amax_history[1:], saved[5:])
+
+
+def test_resize_history_keeps_newest_and_pads_older_side() -> None:
+    h = torch.arange(15, dtype=torch.float32).reshape(5, 3)  # row 0 = staging
+    small = resize_history(h, 3)
+    assert small.tolist() == [[0, 1, 2], [9, 10, 11], [12, 13, 14]]
+    big = resize_history(h, 7)
+    assert big.tolist() == [[0, 1, 2], [0, 0, 0], [0, 0, 0], *h[1:].tolist()]
+    assert resize_history(h, 1).tolist() == [[0, 1, 2]]
+    assert resize_history(h, 5) is h
+
+
+def test_unknown_extra_state_is_rejected() -> None:
+    model = _model()
+    sd = model.state_dict()
+    sd["0.fp8_meta.forward._extra_state"] = {"version": 99}
+    with pytest.raises(ValueError, match="unsupported ScalingState extra state"):
+        model.load_state_dict(sd)
+
+
+def test_state_moves_with_the_module_and_survives_reset_parameters() -> None:
+    layer = f8.Linear(16, 16, dtype=torch.float64)
+    layer.to(torch.float32)
+    assert layer.fp8_meta.forward.scale.dtype == torch.float32  # FP8 meta stays float32
+    layer = f8.Linear(16, 16, device="meta")
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    assert layer.fp8_meta.forward.scale.tolist() == [1.0, 1.0, 1.0]
+    assert layer.fp8_meta.forward.amax_history.abs().sum().item() == 0

@@ -1,0 +1,149 @@
+"""The cuBLASLt ``_scaled_mm`` contract, enforced on the CPU, and the low-level fp8_matmul."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fp8kit.torch as f8
+from fp8kit.formats import E4M3, E5M2
+from fp8kit.torch import gemm
+from fp8kit.torch.gemm import Fp8GemmContractError
+from tests.reference import fp8_round
+
+
+@pytest.fixture(params=["dequant", "scaled_mm"])
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    before = gemm.cpu_gemm_backend()
+    gemm.set_cpu_gemm_backend(request.param)
+    yield request.param
+    gemm.set_cpu_gemm_backend(before)
+
+
+def _fp8(x: torch.Tensor, dtype=torch.float8_e4m3fn, scale: float = 1.0) -> f8.Float8Tensor:
+    return f8.quantize(x, scale, dtype)
+
+
+def _ref(t: f8.Float8Tensor) -> np.ndarray:
+    return t.data.to(torch.float64).numpy() * t.scale_inv.item()
+
+
+def test_scaled_mm_matches_exact_product(backend: str) -> None:
+    torch.manual_seed(0)
+    a = _fp8(torch.randn(32, 64), scale=4.0)
+    b = _fp8(torch.randn(48, 64), torch.float8_e5m2, scale=0.5).t()  # column-major (64, 48)
+    out = f8.scaled_mm(a, b)
+    expected = _ref(a) @ _ref(b)
+    np.testing.assert_allclose(out.double().numpy(), expected, rtol=1e-6, atol=1e-6)
+    assert f8.scaled_mm(a, b, torch.bfloat16).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("a_shape", "b_shape", "words"),
+    [((8, 32), (32, 16), "M=8"), ((16, 24), (24, 16), "K=24"), ((16, 32), (32, 40), "N=40")],
+)
+def test_dims_must_be_multiples_of_16(a_shape, b_shape, words) -> None:
+    a = _fp8(torch.randn(*a_shape))
+    b = _fp8(torch.randn(*reversed(b_shape))).t()
+    with pytest.raises(Fp8GemmContractError, match=words):
+        f8.scaled_mm(a, b)
+
+
+def test_layout_dtype_and_scale_rules() -> None:
+    a = _fp8(torch.randn(16, 32))
+    b_col = _fp8(torch.randn(16, 32)).t()
+    with pytest.raises(Fp8GemmContractError, match="a must be row-major"):
+        f8.scaled_mm(_fp8(torch.randn(32, 16)).t(), b_col)  # a column-major (16, 32)
+    with pytest.raises(Fp8GemmContractError, match="b must be column-major"):
+        f8.scaled_mm(a, _fp8(torch.randn(32, 16)))
+    e5 = torch.float8_e5m2
+    with pytest.raises(Fp8GemmContractError, match="E5M2 x E5M2"):
+        f8.scaled_mm(_fp8(torch.randn(16, 32), e5), _fp8(torch.randn(16, 32), e5).t())
+    bad_scale = f8.Float8Tensor(a.data, torch.tensor([1.0, 1.0]))
+    with pytest.raises(Fp8GemmContractError, match="scale_inv must be a float32"):
+        f8.scaled_mm(bad_scale, b_col)
+    half_scale = f8.Float8Tensor(a.data, torch.tensor(1.0, dtype=torch.float16))
+    with pytest.raises(Fp8GemmContractError, match="float32"):
+        f8.scaled_mm(half_scale, b_col)
+    with pytest.raises(Fp8GemmContractError, match="inner dimensions"):
+        f8.scaled_mm(a, _fp8(torch.randn(16, 48)).t())
+    with pytest.raises(TypeError, match="out_dtype"):
+        f8.scaled_mm(a, b_col, torch.int32)
+    assert issubclass(Fp8GemmContractError, ValueError)
+
+
+def test_backend_choice_is_validated() -> None:
+    with pytest.raises(ValueError, match="'dequant', 'scaled_mm'"):
+        gemm.set_cpu_gemm_backend("fast")
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(7, 5, 3), (16, 16, 16), (33, 70, 17)])
+def test_fp8_matmul_pads_any_shape_exactly(backend: str, m: int, k: int, n: int) -> None:
+    torch.manual_seed(m)
+    a = _fp8(torch.randn(m, k), scale=2.0)
+    b = _fp8(torch.randn(k, n), torch.float8_e5m2)  # row-major: fp8_matmul fixes the layout
+    out = f8.fp8_matmul(a, b)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    np.testing.assert_allclose(out.double().numpy(), _ref(a) @ _ref(b), rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_matmul_bias_activation_and_fp8_output(backend: str) -> None:
+    torch.manual_seed(1)
+    a, b = _fp8(torch.randn(16, 32)), _fp8(torch.randn(32, 48))
+    exact = torch.from_numpy(_ref(a) @ _ref(b)).float()
+    vec, mat = torch.randn(48), torch.randn(16, 48)
+    torch.testing.assert_close(f8.fp8_matmul(a, b, bias=vec), exact + vec)
+    torch.testing.assert_close(f8.fp8_matmul(a, b, bias=mat), exact + mat)
+    torch.testing.assert_close(
+        f8.fp8_matmul(a, b, bias=vec, activation="relu"), torch.relu(exact + vec)
+    )
+    torch.testing.assert_close(f8.fp8_matmul(a, b, activation="gelu"), F.gelu(exact))
+    torch.testing.assert_close(
+        f8.fp8_matmul(a, b, activation="gelu_tanh"), F.gelu(exact, approximate="tanh")
+    )
+    assert f8.fp8_matmul(a, b, out_dtype=torch.bfloat16).dtype == torch.bfloat16
+
+    out_scale = torch.tensor(448.0 / 20.0)
+    q = f8.fp8_matmul(a, b, bias=vec, out_scale=out_scale)
+    assert isinstance(q, f8.Float8Tensor) and q.dtype == torch.float8_e4m3fn
+    hp = exact + vec
+    assert q.amax.item() == pytest.approx(hp.abs().max().item(), rel=1e-6)
+    grid = fp8_round(hp.double().numpy() * np.float32(out_scale.item()), E4M3)
+    np.testing.assert_allclose(q.data.double().numpy(), grid, atol=0, rtol=0.07)
+    q5 = f8.fp8_matmul(a, b, out_scale=1.0, out_fp8_dtype=torch.float8_e5m2)
+    grid5 = fp8_round(exact.double().numpy(), E5M2)
+    assert (q5.data.double().numpy() == grid5).mean() > 0.99  # float32 accumulation order only
+
+
+def test_fp8_matmul_bad_input() -> None:
+    a, b = _fp8(torch.randn(16, 32)), _fp8(torch.randn(32, 16))
+    with pytest.raises(TypeError, match="b must be a Float8Tensor"):
+        f8.fp8_matmul(a, torch.randn(32, 16))
+    with pytest.raises(ValueError, match="inner sizes differ"):
+        f8.fp8_matmul(a, a)
+    with pytest.raises(ValueError, match="bias must be a tensor of shape"):
+        f8.fp8_matmul(a, b, bias=torch.randn(15))
+    with pytest.raises(ValueError, match="activation must be None or one of"):
+        f8.fp8_matmul(a, b, activation="swish")
+    with pytest.raises(ValueError, match="out_fp8_dtype is given"):
+        f8.fp8_matmul(a, b, out_fp8_dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="out_fp8_dtype must be one of"):
+        f8.fp8_matmul(a, b, out_scale=1.0, out_fp8_dtype=torch.float16)
+
+
+def test_linear_is_backend_independent(backend: str) -> None:
+    """Both CPU backends produce the same Linear numbers (up to float32 accumulation order)."""
+    torch.manual_seed(2)
+    layer = f8.Linear(32, 48)
+    x = torch.randn(16, 32, requires_grad=True)
+    with f8.autocast():
+        y = layer(x)
+    y.backward(torch.randn(16, 48))
+    wq = fp8_round(layer.weight.detach().double().numpy(), E4M3)
+    xq = fp8_round(x.detach().double().numpy(), E4M3)
+    expected = xq @ wq.T + layer.bias.detach().double().numpy()
+    np.testing.assert_allclose(y.detach().double().numpy(), expected, rtol=1e-5, atol=1e-5)
