@@ -1,0 +1,68 @@
+"""f8.convert_model: swaps nn.Linear in place, keeps the parameters, honours the filter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fp8kit.torch as f8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)  # out_proj: a Linear subclass
+        self.fc1 = nn.Linear(16, 32)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(32, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x, x, x, need_weights=False)[0]
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+def test_converts_every_plain_linear_and_keeps_parameters() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), nn.Sequential(nn.Linear(16, 8)))
+    params_before = {name: p for name, p in model.named_parameters()}
+    x = torch.randn(2, 5, 16)
+    y_before = model(x)
+    assert f8.convert_model(model) is model
+    assert type(model[0].fc1) is f8.Linear and type(model[0].fc2) is f8.Linear
+    assert type(model[1][0]) is f8.Linear
+    assert model[0].fc2.bias is None
+    assert type(model[0].attn.out_proj) is not f8.Linear  # subclass with its own use: left alone
+    for name, p in model.named_parameters():
+        assert p is params_before[name], name  # same objects: optimizers stay valid
+    torch.testing.assert_close(model(x), y_before, rtol=0, atol=0)  # high precision outside
+    with f8.autocast():
+        y_fp8 = model(x)
+    assert not torch.equal(y_fp8, y_before)
+    assert ((y_fp8 - y_before).norm() / y_before.norm()).item() < 0.1
+    assert model[0].fc1.fp8_meta.forward.amax_history[-1, 0].item() > 0  # rolled in
+
+
+def test_module_filter_and_bare_linear() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    seen = []
+
+    def only_first(module: nn.Module, fqn: str) -> bool:
+        seen.append(fqn)
+        return fqn == "0"
+
+    f8.convert_model(model, module_filter=only_first)
+    assert seen == ["0", "1"]
+    assert type(model[0]) is f8.Linear and type(model[1]) is nn.Linear
+    bare = nn.Linear(4, 2, dtype=torch.bfloat16)
+    converted = f8.convert_model(bare)
+    assert type(converted) is f8.Linear and converted.weight is bare.weight
+    assert converted.weight.dtype == torch.bfloat16
+    assert converted.fp8_meta.forward.scale.dtype == torch.float32
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        f8.convert_model("model")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="module_filter must be None or a callable"):
+        f8.convert_model(nn.Linear(2, 2), module_filter=3)  # type: ignore[arg-type]
