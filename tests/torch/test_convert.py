@@ -62,7 +62,7 @@ def test_module_filter_and_bare_linear() -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
         f8.convert_model("model")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="module_filter must be None or a callable"):
         f8.convert_model(nn.Linear(2, 2), module_filter=3)  # type: ignore[arg-type]

@@ -200,8 +200,9 @@ def test_nested_autocast_updates_once_at_outermost_exit() -> None:
         assert layer.fp8_meta.forward.update_count[INPUT].item() == 0
         with f8.autocast(enabled=False):
             y = layer(_x_with_amax(100.0))  # plain high precision: records nothing
-            torch.testing.assert_close(y, torch.nn.functional.linear(_x_with_amax(100.0),
-                                       layer.weight, layer.bias))
+            torch.testing.assert_close(
+                y, torch.nn.functional.linear(_x_with_amax(100.0), layer.weight, layer.bias)
+            )
     assert layer.fp8_meta.forward.amax_history[:, INPUT].tolist() == [0, 0, 0, 2]
 
 

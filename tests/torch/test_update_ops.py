@@ -19,7 +19,7 @@ class CountOps(TorchDispatchMode):
         super().__init__()
         self.ops: Counter[str] = Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func)] += 1
         return func(*args, **(kwargs or {}))
 
@@ -56,7 +56,7 @@ def test_backward_update_is_one_batched_call_per_pass(monkeypatch: pytest.Monkey
     calls: list[int] = []
     real = update.update_states
 
-    def spy(states, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+    def spy(states, *args, **kwargs):
         calls.append(len(states))
         return real(states, *args, **kwargs)
 
