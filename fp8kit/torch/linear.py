@@ -201,6 +201,10 @@ class Linear(nn.Linear):
             )
             self._weight_cache = None
 
+    # Under torch.compile the FP8 call runs eagerly (one explicit graph break per call): the
+    # autocast context, the staging records and the update events are Python-side state that a
+    # traced graph would freeze. The surrounding model still compiles (docs/decisions/0002).
+    @torch.compiler.disable
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, is_first_microbatch: bool | None = None
     ) -> torch.Tensor:
