@@ -25,6 +25,7 @@ __all__ = [
 ]
 
 DEFAULT_HISTORY_LEN = 1024
+_BUFFER_NAMES = ("amax_history", "scale", "scale_inv", "update_count")
 _EXTRA_STATE_VERSION = 1
 
 
@@ -103,6 +104,67 @@ class ScalingState(nn.Module):
         )
         self.recipe_data: dict[str, Any] | None = None
         self._slots_with_history: set[int] = set()
+        # Links kept by fp8kit.torch.update / .pool (dropped when the module is copied/pickled):
+        # the registry this state's update events run in, and the pool whose columns its
+        # buffers view.
+        self.registry: Any = None
+        self._pool: Any = None
+        self._pool_views: tuple[torch.Tensor, ...] = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(registry=None, _pool=None, _pool_views=())
+        return state
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in _BUFFER_NAMES:
+            self._mark_pool_dirty()
+
+    def _mark_pool_dirty(self) -> None:
+        pool = self.__dict__.get("_pool")
+        if pool is not None:
+            pool.dirty = True
+
+    def attach_to_pool(
+        self,
+        pool: object,
+        history: torch.Tensor,
+        scale: torch.Tensor,
+        scale_inv: torch.Tensor,
+        update_count: torch.Tensor,
+    ) -> None:
+        """Make the buffers views of ``pool``'s columns (values already copied there)."""
+        views = (history, scale, scale_inv, update_count)
+        for name, view in zip(_BUFFER_NAMES, views, strict=True):
+            self._buffers[name] = view
+        self._pool, self._pool_views = pool, views
+
+    def pooled_views_intact(self, pool: object) -> bool:
+        """Whether every buffer is still the view ``pool`` handed out."""
+        if self._pool is not pool:
+            return False
+        return all(
+            self._buffers[n] is v for n, v in zip(_BUFFER_NAMES, self._pool_views, strict=True)
+        )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ScalingState:  # type: ignore[override]
+        # FP8 metadata stays float32 / int64 whatever the model's dtype: follow device moves
+        # only (``model.to(torch.bfloat16)`` must not round scales and histories).
+        for name, buf in self._buffers.items():
+            if buf is None:
+                continue
+            moved = fn(buf)
+            if moved.dtype != buf.dtype:
+                moved = (
+                    torch.empty_like(buf, device=moved.device)
+                    if buf.is_meta
+                    else buf.to(device=moved.device)
+                )
+            if moved is not buf:
+                self._buffers[name] = moved
+                self._mark_pool_dirty()
+        return self
 
     @property
     def history_len(self) -> int:
@@ -147,7 +209,11 @@ class ScalingState(nn.Module):
 
     def refresh_derived(self) -> None:
         """Recompute ``scale_inv`` and caches after the buffers were replaced from outside."""
-        self.scale_inv = torch.reciprocal(self.scale)
+        with torch.no_grad():
+            if self.scale_inv.shape == self.scale.shape:
+                self.scale_inv.copy_(torch.reciprocal(self.scale))  # in place: keeps pool views
+            else:
+                self.scale_inv = torch.reciprocal(self.scale)
         self._slots_with_history = set()
 
     def get_extra_state(self) -> dict[str, Any]:

@@ -1,25 +1,25 @@
 """Update events: one batched update of many modules' scaling states (SPEC sections 3 and 5).
 
-An event concatenates the histories of its states into one ``(L, N)`` buffer, runs the update
-rule once on it and copies the results back with one ``_foreach_copy_`` per tensor kind: the
-number of tensor ops does not depend on how many modules there are.
+Every (recipe, group, direction) has a persistent :class:`StateRegistry`: the states that ever
+took part in its events, in order of first registration (weak references, so dead modules drop
+out), stored side by side in one :class:`~fp8kit.torch.pool.StatePool` whose columns the modules'
+buffers view. An event runs the update rule once on the whole pool: a fixed number of tensor ops
+and no per-module gather or scatter, whatever the number of modules.
 
-Which states take part:
+Which states an event rolls: those that ran since the last event. Registered states that did not
+run contribute staging 0 and are skipped by the zero-skip rule; their own staging (e.g. from a
+``no_grad`` forward) stays in place for a later event.
 
-* Without amax reduction (one process, ``reduce_amax=False``, or a one-rank group): the states
-  that ran since the last event, in the order they first quantized.
-* With amax reduction: every state ever registered under the event's (recipe, group, direction),
-  kept in a persistent :class:`StateRegistry` in order of first registration (weak references, so
-  dead modules drop out). States that did not run on this rank contribute staging 0; after the one
-  MAX all-reduce the zero-skip rule rolls a state on every rank if any rank ran it and skips it on
-  every rank if none did. All ranks therefore hold identical histories and scales.
-
-The reduction buffer is ``[staging row (N) | changed flag, fingerprint, -fingerprint]``. Its size is
-that of the last layout all ranks agreed on, so ranks never reduce buffers of different sizes. A
-rank whose registry changed since then (a new module, a dead one) sends zeros with the flag set;
-every rank sees the flag, compares layouts (:func:`~fp8kit.torch.distributed.check_layout`) and
-reduces again over the new layout. The fingerprint pair (MAX of ``f`` and of ``-f``) detects ranks
-reducing different layouts of equal size.
+With amax reduction (``torch.distributed``, ``reduce_amax=True``, more than one rank) the event's
+staging row is all-reduced with MAX first. After that, the zero-skip rule rolls a state on every
+rank if any rank ran it and skips it on every rank if none did, so all ranks hold identical
+histories and scales. The reduction buffer is ``[staging row (N) | changed flag, fingerprint,
+-fingerprint]``. Its size is that of the last layout all ranks agreed on, so ranks never reduce
+buffers of different sizes. A rank whose registry changed since then (a new module, a dead one)
+sends zeros with the flag set; every rank sees the flag, compares layouts
+(:func:`~fp8kit.torch.distributed.check_layout`) and reduces again over the new layout. The
+fingerprint pair (MAX of ``f`` and of ``-f``) detects ranks reducing different layouts of equal
+size.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch import distributed
 from fp8kit.torch.distributed import Layout
+from fp8kit.torch.pool import StatePool
 from fp8kit.torch.scaling import update_scaling_state
 from fp8kit.torch.state import ScalingState
 
@@ -59,67 +60,50 @@ def update_states(
         recipe: the delayed-scaling recipe they ran under.
         fmax: largest finite value of the format these states quantize into.
         group: ``torch.distributed`` group for the amax reduction (None = WORLD).
-        direction: ``"forward"`` or ``"backward"``; with reduction, selects the registry.
+        direction: ``"forward"`` or ``"backward"``.
 
     With amax reduction active (see :func:`~fp8kit.torch.distributed.reduction_active`) every rank
     of ``group`` must call this at the same event, even with no ``states``.
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    if distributed.reduction_active(recipe, group):
-        registry_for(recipe, group, direction).run_event(states, fmax)
-        return
-    if not states:
-        return
-    lengths = {s.history_len for s in states}
-    if len(lengths) > 1:
-        raise RuntimeError(f"fp8kit: states under one recipe have history lengths {lengths}")
-    with torch.no_grad():
-        stacked = torch.cat([s.amax_history for s in states], dim=1)
-        _update_stacked(states, stacked, recipe, fmax)
+    registry_for(recipe, group, direction).run_event(states, fmax)
 
 
-def _update_stacked(
-    states: Sequence[ScalingState],
-    stacked: torch.Tensor,
+def _apply_update(
+    pool: StatePool,
+    staging: torch.Tensor,
     recipe: DelayedScaling,
     fmax: float,
-    kept_staging: torch.Tensor | None = None,
-    histories: list[torch.Tensor] | None = None,
+    kept_staging: torch.Tensor | None,
 ) -> None:
-    """Apply the update rule to ``stacked`` and write the results back into ``states``.
+    """Run the update rule on the whole pool, in place.
 
     Args:
-        states: the states ``stacked`` was concatenated from.
-        stacked: float32 ``(L, N)``; row 0 is the event's staging row (after any reduction).
+        pool: the pool; its history row 0 is overwritten with ``staging`` first.
+        staging: float32 ``(N,)``, this event's staging row (after any masking and reduction).
         kept_staging: float32 ``(N,)`` staging to leave in place where the event's staging is 0
             (a state's own leftover, e.g. from a ``no_grad`` forward, when it did not run).
-        histories: ``[s.amax_history for s in states]`` if the caller has it already.
     """
-    if histories is None:
-        histories = [s.amax_history for s in states]
-    scales = [s.scale for s in states]
-    counts = [s.update_count for s in states]
-    sizes = [s.num_slots for s in states]
+    history = pool.history
+    if staging is not history[0]:
+        history[0] = staging
     new_history, new_scale, new_count = update_scaling_state(
-        stacked, torch.cat(scales), torch.cat(counts), recipe, fmax
+        history, pool.scale, pool.update_count, recipe, fmax
     )
     if kept_staging is not None:
-        new_history[0] = torch.where(stacked[0] == 0, kept_staging, new_history[0])
-    new_inv = torch.reciprocal(new_scale)
-    torch._foreach_copy_(histories, new_history.split(sizes, dim=1))
-    torch._foreach_copy_(scales, new_scale.split(sizes))
-    torch._foreach_copy_(counts, new_count.split(sizes))
-    torch._foreach_copy_([s.scale_inv for s in states], new_inv.split(sizes))
+        new_history[0] = torch.where(history[0] == 0, kept_staging, new_history[0])
+    history.copy_(new_history)
+    pool.scale.copy_(new_scale)
+    pool.update_count.copy_(new_count)
+    torch.reciprocal(new_scale, out=pool.scale_inv)
 
 
 # ---------------------------------------------------------------------------------------------
-# Persistent registries (amax reduction on)
+# Persistent registries
 
 _lock = threading.Lock()
 _registries: dict[tuple[DelayedScaling, int, str], StateRegistry] = {}
-# Each state belongs to at most one registry: the (recipe, group) it last ran under.
-_owner: weakref.WeakKeyDictionary[ScalingState, StateRegistry] = weakref.WeakKeyDictionary()
 
 
 def registry_for(recipe: DelayedScaling, group: Any, direction: str) -> StateRegistry:
@@ -133,11 +117,12 @@ def registry_for(recipe: DelayedScaling, group: Any, direction: str) -> StateReg
 
 
 class StateRegistry:
-    """The states reduced together under one (recipe, group, direction), in a fixed order.
+    """The states updated (and reduced) together under one (recipe, group, direction).
 
     States are appended when they first take part in an event and leave when they die (weak
-    references) or move to another (recipe, group). Any such change sets a flag that makes the
-    next event re-check the layout across ranks.
+    references) or move to another (recipe, group). Any such change makes the next event rebuild
+    the pool and, with reduction, re-check the layout across ranks. In the steady state an event
+    costs O(1) Python work plus one attribute check per state that ran.
     """
 
     def __init__(self, recipe: DelayedScaling, group: Any, direction: str) -> None:
@@ -145,46 +130,56 @@ class StateRegistry:
         self.group = group  # held strongly: its id() is part of the registry key
         self.direction = direction
         self._refs: list[weakref.ref[ScalingState]] = []
-        self._index: dict[int, weakref.ref[ScalingState]] = {}
-        self._changed = True
+        self._num_live = 0
+        self._membership_changed = True  # the pool must be rebuilt
+        self._changed = True  # the layout must be re-checked across ranks
         self._verified: Layout | None = None  # the layout every rank last agreed on
         self._verified_pg: Any = None  # the process group object it was agreed over
+        self.pool = StatePool()
+
+    def _on_death(self, _ref: weakref.ref[ScalingState]) -> None:
+        self._num_live -= 1
+        self._membership_changed = self._changed = True
 
     def register(self, state: ScalingState) -> None:
         """Append ``state`` unless present; take it from the registry it belonged to before."""
-        ref = self._index.get(id(state))
-        if ref is not None and ref() is state:
+        previous = state.registry
+        if previous is self:
             return
-        previous = _owner.get(state)
-        if previous is not None and previous is not self:
+        if previous is not None:
             previous.discard(state)
-        ref = weakref.ref(state)
-        self._refs.append(ref)
-        self._index[id(state)] = ref
-        _owner[state] = self
-        self._changed = True
+        self._refs.append(weakref.ref(state, self._on_death))
+        self._num_live += 1
+        state.registry = self
+        self._membership_changed = self._changed = True
 
     def discard(self, state: ScalingState) -> None:
         """Remove ``state`` (it now runs under another recipe or group)."""
-        ref = self._index.get(id(state))
-        if ref is None or ref() is not state:
-            return
-        del self._index[id(state)]
-        self._refs = [r for r in self._refs if r is not ref]
-        self._changed = True
+        kept = [r for r in self._refs if r() is not state]
+        if len(kept) != len(self._refs):
+            self._refs = kept
+            self._num_live -= 1
+            state.registry = None
+            self._membership_changed = self._changed = True
 
     def states(self) -> list[ScalingState]:
-        """The live registered states in order (dropping dead ones, which marks a change)."""
-        alive = []
-        for ref in self._refs:
-            state = ref()
-            if state is not None:
-                alive.append(state)
+        """The live registered states in order (dropping references to dead ones)."""
+        alive = [s for s in (ref() for ref in self._refs) if s is not None]
         if len(alive) != len(self._refs):
             self._refs = [ref for ref in self._refs if ref() is not None]
-            self._index = {k: r for k, r in self._index.items() if r() is not None}
-            self._changed = True
         return alive
+
+    def _sync_pool(self) -> None:
+        """Rebuild the pool if members changed or one of them replaced its buffers."""
+        if not (self._membership_changed or self.pool.dirty):
+            return
+        states = self.states()
+        length = self.recipe.amax_history_len
+        for state in states:
+            if state.history_len != length:  # loaded with another L and not run since
+                state.set_history_len(length, f"recipe amax_history_len={length}")
+        self.pool.sync(states)
+        self._membership_changed = False
 
     def _layout(self, states: Sequence[ScalingState]) -> Layout:
         return Layout.of(self.direction, self.recipe, [s.num_slots for s in states])
@@ -223,46 +218,40 @@ class StateRegistry:
         return buffer[:-_TRAILER], flag > 0
 
     def run_event(self, ran: Sequence[ScalingState], fmax: float) -> None:
-        """Register ``ran`` (the states that ran on this rank), reduce and update all states.
+        """Register ``ran`` (the states that ran on this rank), reduce if needed, update all.
 
-        Every rank of the group must call this at the same event.
+        With reduction every rank of the group must call this at the same event.
         """
         for state in ran:
             self.register(state)
-        states = self.states()
-        length = self.recipe.amax_history_len
-        histories = [s.amax_history for s in states]
-        for i, history in enumerate(histories):
-            if history.shape[0] != length:  # loaded with another L and not run since
-                states[i].set_history_len(length, f"recipe amax_history_len={length}")
-                histories[i] = states[i].amax_history
-        if histories:
-            device = histories[0].device
-        else:  # nothing registered here: still take part (the layout check names this rank)
-            device = distributed.collective_device(self.group, torch.device("cpu"))
-        pg = distributed.resolve_group(self.group)
+        reduce = distributed.reduction_active(self.recipe, self.group)
+        if self._num_live == 0 and not reduce:
+            return
+        self._sync_pool()
         with torch.no_grad():
-            if histories:
-                stacked = torch.cat(histories, dim=1)
-            else:
-                stacked = torch.zeros(length, 0, device=device)
-            local = stacked[0]
-            if len(ran) < len(states):  # the others contribute 0 (their own staging is kept)
-                ran_ids = {id(s) for s in ran}
-                ran_slots = [id(s) in ran_ids for s in states for _ in range(s.num_slots)]
-                staging = torch.where(torch.tensor(ran_slots, device=device), local, 0.0)
-            else:
-                staging = local
-            if self._verified is None or self._verified_pg is not pg:
-                reduced, _ = self._reduce(staging, self._verify(states, device, pg), device)
-            else:
-                reduced, flagged = self._reduce(
-                    None if self._changed else staging, self._verified, device
-                )
-                if flagged:
-                    reduced, _ = self._reduce(staging, self._verify(states, device, pg), device)
-            if not states:
+            if self._num_live:
+                local = self.pool.history[0]
+                if len(ran) < self._num_live:  # the others contribute 0; their staging is kept
+                    staging = torch.where(self.pool.slot_mask(ran), local, 0.0)
+                else:
+                    staging = local
+            else:  # nothing registered here: still take part (the layout check names this rank)
+                device = distributed.collective_device(self.group, torch.device("cpu"))
+                staging = local = torch.zeros(0, device=device)
+            if reduce:
+                staging = self._reduced(staging)
+            if not self._num_live:
                 return
             kept = local.clone() if staging is not local else None
-            stacked[0] = reduced
-            _update_stacked(states, stacked, self.recipe, fmax, kept, histories)
+            _apply_update(self.pool, staging, self.recipe, fmax, kept)
+
+    def _reduced(self, staging: torch.Tensor) -> torch.Tensor:
+        """``staging`` all-reduced (MAX) over the group, checking layouts where they changed."""
+        device = staging.device
+        pg = distributed.resolve_group(self.group)
+        if self._verified is None or self._verified_pg is not pg:
+            return self._reduce(staging, self._verify(self.states(), device, pg), device)[0]
+        reduced, flagged = self._reduce(None if self._changed else staging, self._verified, device)
+        if flagged:
+            reduced, _ = self._reduce(staging, self._verify(self.states(), device, pg), device)
+        return reduced

@@ -25,15 +25,19 @@ class CountOps(TorchDispatchMode):
 
 
 def _forward_update_ops(num_modules: int, recipe: DelayedScaling) -> Counter[str]:
+    """Ops of the second event (the first one also lays the states out in one pool)."""
     layers = [f8.Linear(16, 16) for _ in range(num_modules)]
     x = torch.randn(4, 16)
+    with f8.autocast(recipe=recipe):
+        for layer in layers:
+            layer(x)
     ac = f8.autocast(recipe=recipe)
     ac.__enter__()
     for layer in layers:
         layer(x)
     with CountOps() as counter:
         ac.__exit__(None, None, None)
-    assert all(layer.fp8_meta.forward.update_count[0].item() == 1 for layer in layers)
+    assert all(layer.fp8_meta.forward.update_count[0].item() == 2 for layer in layers)
     return counter.ops
 
 
@@ -67,19 +71,13 @@ def test_backward_update_is_one_batched_call_per_pass(monkeypatch: pytest.Monkey
     loss.backward()
     # One batched call holding all 30 states (events armed by earlier forwards carry no states).
     assert [c for c in calls if c] == [30]
-    with CountOps() as counter:
-        update.update_states(
-            [layer.fp8_meta.backward for layer in model],
-            DelayedScaling(amax_history_len=8),
-            57344.0,
-            direction="backward",
-        )
-    ops_30 = sum(counter.ops.values())
-    with CountOps() as counter:
-        update.update_states(
-            [layer.fp8_meta.backward for layer in model[:3]],
-            DelayedScaling(amax_history_len=8),
-            57344.0,
-            direction="backward",
-        )
-    assert sum(counter.ops.values()) == ops_30
+    def ops_for(states: list, margin: int) -> int:
+        # A fresh recipe per call: its own registry, in which every given state ran.
+        recipe = DelayedScaling(amax_history_len=8, margin=margin)
+        update.update_states(states, recipe, 57344.0, direction="backward")  # builds the pool
+        with CountOps() as counter:
+            update.update_states(states, recipe, 57344.0, direction="backward")
+        return sum(counter.ops.values())
+
+    backward_states = [layer.fp8_meta.backward for layer in model]
+    assert ops_for(backward_states, 1) == ops_for(backward_states[:3], 2)

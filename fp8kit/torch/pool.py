@@ -1,0 +1,94 @@
+"""Contiguous storage for the scaling states of one registry (DESIGN principle 2).
+
+A :class:`StatePool` holds ``history (L, N)``, ``scale (N,)``, ``scale_inv (N,)`` and
+``update_count (N,)`` for all its member states side by side; each member's buffers are views of
+its columns. An update event then runs a fixed number of tensor ops on the pool, with no per-module
+gather or scatter. A member whose buffers stop being those views (moved to another device, loaded
+with another history length, resized) is noticed at the next event and the pool is rebuilt from
+the members' current values.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from fp8kit.torch.state import ScalingState
+
+__all__ = ["StatePool"]
+
+
+class StatePool:
+    """The buffers of ``states`` (one device, one history length) laid side by side."""
+
+    def __init__(self) -> None:
+        self.dirty = False  # set by a member that replaced one of its buffers
+        self._members: list[weakref.ref[ScalingState]] = []  # weak: the pool keeps no module alive
+        self.history = torch.zeros(0, 0)
+        self.scale = torch.ones(0)
+        self.scale_inv = torch.ones(0)
+        self.update_count = torch.zeros(0, dtype=torch.int64)
+
+    @property
+    def num_slots(self) -> int:
+        return self.scale.shape[0]
+
+    def _intact(self, states: Sequence[ScalingState]) -> bool:
+        if len(states) != len(self._members):
+            return False
+        return all(
+            s is ref() and s.pooled_views_intact(self)
+            for s, ref in zip(states, self._members, strict=True)
+        )
+
+    def sync(self, states: Sequence[ScalingState]) -> None:
+        """Make the pool hold exactly ``states`` in this order, each one viewing its columns.
+
+        Costs one identity check per state when nothing changed; otherwise copies the states'
+        current values into new pool tensors (one ``cat`` per buffer kind).
+        """
+        if self._intact(states):
+            self.dirty = False
+            return
+        if not states:
+            self.__init__()  # type: ignore[misc]
+            return
+        devices = {s.amax_history.device for s in states}
+        if len(devices) > 1:
+            raise ValueError(
+                "fp8kit: the FP8 modules of one recipe and amax reduction group must live on one "
+                f"device, found {sorted(map(str, devices))}; give each device its own recipe"
+            )
+        lengths = {s.history_len for s in states}
+        if len(lengths) > 1:  # pragma: no cover - states are resized before they join
+            raise RuntimeError(f"fp8kit: states of one pool have history lengths {lengths}")
+        with torch.no_grad():
+            self.history = torch.cat([s.amax_history for s in states], dim=1)
+            self.scale = torch.cat([s.scale for s in states])
+            self.scale_inv = torch.cat([s.scale_inv for s in states])
+            self.update_count = torch.cat([s.update_count for s in states])
+        self._members = [weakref.ref(s) for s in states]
+        offset = 0
+        for state in states:
+            cols = slice(offset, offset + state.num_slots)
+            state.attach_to_pool(
+                self,
+                self.history[:, cols],
+                self.scale[cols],
+                self.scale_inv[cols],
+                self.update_count[cols],
+            )
+            offset += state.num_slots
+        self.dirty = False
+
+    def slot_mask(self, chosen: Sequence[ScalingState]) -> torch.Tensor:
+        """Boolean ``(N,)`` mask of the columns of the ``chosen`` member states."""
+        wanted = {id(s) for s in chosen}
+        flags = []
+        for ref in self._members:
+            state = ref()
+            if state is not None:
+                flags += [id(state) in wanted] * state.num_slots
+        return torch.tensor(flags, dtype=torch.bool, device=self.history.device)

@@ -1,0 +1,88 @@
+"""States of one recipe live side by side in one pool; modules see views of it."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import numpy as np
+import torch
+
+import fp8kit.torch as f8
+from fp8kit.recipe import DelayedScaling
+from tests.reference import update_reference
+
+RECIPE = DelayedScaling(amax_history_len=4, margin=3)  # a registry of its own in this module
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor) -> None:
+    with f8.autocast(recipe=RECIPE):
+        y = model(x)
+    y.sum().backward()
+
+
+def test_states_view_one_pool_and_match_the_reference() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(f8.Linear(8, 8), f8.Linear(8, 8), f8.Linear(8, 8))
+    states = [layer.fp8_meta.forward for layer in model]
+    zeros, ones = np.zeros((4, 3), np.float32), np.ones(3, np.float32)
+    expected = [(zeros, ones, np.zeros(3, np.int64)) for _ in states]
+    for step in range(4):
+        ac = f8.autocast(recipe=RECIPE)
+        ac.__enter__()
+        y = model(torch.randn(4, 8) * (step + 1))
+        for i, s in enumerate(states):
+            h, sc, c = expected[i]
+            h = h.copy()
+            h[0] = s.amax_history[0].numpy()  # what this step staged
+            expected[i] = update_reference(h, sc, c, RECIPE, 448.0)
+        ac.__exit__(None, None, None)
+        y.sum().backward()
+        for s, (h, sc, c) in zip(states, expected, strict=True):
+            assert (s.amax_history.numpy() == h).all()
+            assert (s.scale.numpy() == sc).all()
+            assert (s.update_count.numpy() == c).all()
+            assert torch.equal(s.scale_inv, torch.reciprocal(s.scale))
+    storages = {s.amax_history.untyped_storage().data_ptr() for s in states}
+    assert len(storages) == 1  # one pool
+    assert not states[0].amax_history.is_contiguous()  # a column slice of the pool
+
+
+def test_model_dtype_casts_leave_fp8_meta_in_float32() -> None:
+    layer = f8.Linear(8, 8)
+    _step(layer, torch.randn(4, 8) * 3)
+    scale = layer.fp8_meta.forward.scale.clone()
+    history = layer.fp8_meta.forward.amax_history.clone()
+    layer.to(torch.bfloat16)
+    assert layer.weight.dtype == torch.bfloat16
+    assert layer.fp8_meta.forward.scale.dtype == torch.float32
+    assert torch.equal(layer.fp8_meta.forward.scale, scale)
+    assert torch.equal(layer.fp8_meta.forward.amax_history, history)
+    assert layer.fp8_meta.forward.update_count.dtype == torch.int64
+    _step(layer, torch.randn(4, 8, dtype=torch.bfloat16))  # the pool is rebuilt and keeps going
+    assert layer.fp8_meta.forward.update_count[0].item() == 2
+
+
+def test_deepcopy_gives_an_independent_state() -> None:
+    layer = f8.Linear(8, 8)
+    _step(layer, torch.randn(4, 8))
+    twin = copy.deepcopy(layer)
+    assert torch.equal(twin.fp8_meta.forward.scale, layer.fp8_meta.forward.scale)
+    _step(twin, torch.randn(4, 8) * 100)
+    assert layer.fp8_meta.forward.update_count[0].item() == 1
+    assert twin.fp8_meta.forward.update_count[0].item() == 2
+    assert not torch.equal(twin.fp8_meta.forward.scale, layer.fp8_meta.forward.scale)
+    _step(layer, torch.randn(4, 8))
+    assert layer.fp8_meta.forward.update_count[0].item() == 2
+
+
+def test_a_dead_module_leaves_the_pool() -> None:
+    keep = f8.Linear(8, 8)
+    gone = f8.Linear(8, 8)
+    _step(torch.nn.Sequential(keep, gone), torch.randn(4, 8))
+    del gone
+    gc.collect()
+    _step(keep, torch.randn(4, 8))
+    registry = keep.fp8_meta.forward.registry
+    assert registry.states() == [keep.fp8_meta.forward]
+    assert keep.fp8_meta.forward.update_count[0].item() == 2
