@@ -108,12 +108,15 @@ def _rank_main(rank: int, world: int, store_dir: str, modules: int, repeats: int
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modules", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--ranks", type=int, default=2)
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="5 repeats (smoke run)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats = 5
     with tempfile.TemporaryDirectory() as store_dir:
         mp.spawn(
             _rank_main,
