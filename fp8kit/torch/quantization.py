@@ -18,6 +18,7 @@ __all__ = [
     "HIGH_PRECISION_DTYPES",
     "Float8Tensor",
     "cast_to_fp8",
+    "cast_to_fp8_reference",
     "current_scale",
     "dequantize",
     "fp8_format_of",
@@ -126,6 +127,48 @@ def cast_to_fp8(
     x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale, saturate and round ``x`` into ``fmt``; also return ``max |x|`` (NaN ignored).
+
+    Args:
+        x: float32 / bfloat16 / float16 tensor, any shape.
+        scale: float32 tensor with one element (the quantization scale).
+        fmt: target FP8 format.
+
+    Returns:
+        ``(data, amax)``: FP8 tensor of ``x.shape`` (laid out like ``torch.empty_like(x)``) and a
+        float32 0-d tensor on ``x``'s device.
+
+    Uses the fused one-pass kernels of :mod:`fp8kit.torch.kernels` (C++ on the CPU, Triton on
+    CUDA) when they cover the inputs, else :func:`cast_to_fp8_reference`; the results are the
+    same bit for bit either way.
+    """
+    from fp8kit.torch import kernels  # cached module lookup after the first call
+
+    if (
+        x.dtype in HIGH_PRECISION_DTYPES
+        and isinstance(scale, torch.Tensor)
+        and scale.dtype == torch.float32
+        and scale.numel() == 1
+        and scale.device == x.device
+        and not torch.compiler.is_compiling()
+    ):
+        if x.device.type == "cpu":
+            if kernels.load_native() is not None:
+                return kernels.native_cast(x, scale, fmt)
+        elif x.device.type == "cuda":
+            out = kernels.try_triton_cast(x, scale, fmt)
+            if out is not None:
+                return out
+    return cast_to_fp8_reference(x, scale, fmt)
+
+
+def cast_to_fp8_reference(
+    x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch :func:`cast_to_fp8`: the fallback and the reference the kernels must match.
+
+    ``float32(x) * scale`` (one float32 multiply), clamp to ``+-fmt.max`` (saturate, inf included,
+    NaN kept), torch's round-to-nearest-even cast; amax = NaN-ignoring ``max |x|``. Two or more
+    passes over ``x``.
 
     Args:
         x: float32 / bfloat16 / float16 tensor, any shape.

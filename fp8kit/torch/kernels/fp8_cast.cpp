@@ -1,0 +1,745 @@
+// fp8kit native FP8 cast: one read of a float32 / bfloat16 / float16 buffer writes its FP8 copy
+// (E4M3fn or E5M2) and returns max|x| (NaN ignored), optionally with the transposed copy.
+//
+// Numerics (SPEC section 2), identical bit for bit to fp8kit's pure-torch reference
+// `cast_to_fp8_reference`:
+//   p    = float32(x) * scale                   one IEEE float32 multiply (no FMA, no fast-math)
+//   q    = saturate(round_nearest_even(p))      |p| >= fmax -> +-fmax (+-inf too), NaN -> NaN
+//   amax = max |x| over the unscaled input, NaN ignored (inf counts), 0 when empty or all NaN.
+//
+// The float32 -> FP8 conversion is integer arithmetic on the float32 bits:
+//   a = |p| bits, clamped (integer min, valid for non-NaN) to the bits of fmax;
+//   normal results (a >= smallest FP8 normal): add (half ulp - 1) + the lowest kept mantissa bit
+//     (round half to even), subtract the exponent re-bias, shift the dropped mantissa bits out;
+//   subnormal results: float32 add of a magic power of two whose ulp is the FP8 subnormal
+//     quantum, so the FPU rounds to nearest even; the low bits of the sum are the FP8 code;
+//   NaN -> 0x7F (all exponent and mantissa bits set); the sign bit is copied last (as torch).
+// The same routine runs scalar (any CPU), 8-wide AVX2 or 16-wide AVX-512F, chosen at run time
+// (x86-64 only, through target attributes and __builtin_cpu_supports), so the build needs no
+// -mavx2 flag and the cached library works on any x86-64 machine.
+// Work is split over torch's intra-op threads with at::parallel_reduce (per-thread amax
+// partials); this needs -fopenmp at compile time, the OpenMP runtime is the one torch loaded.
+//
+// The interface is a small C ABI on raw pointers (called through ctypes by _native.py), so the
+// build includes no torch operator headers and compiles in seconds. Built and cached by
+// fp8kit/torch/kernels/_native.py with torch.utils.cpp_extension.load.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define FP8KIT_HAVE_X86 1
+#include <immintrin.h>
+#else
+#define FP8KIT_HAVE_X86 0
+#endif
+
+// 16-bit input element types (raw bits; torch's bfloat16 and float16 storage).
+struct bf16_t {
+  uint16_t bits;
+};
+struct f16_t {
+  uint16_t bits;
+};
+
+namespace fp8kit_native {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Format constants
+// ---------------------------------------------------------------------------------------------
+
+struct Fmt {
+  uint32_t fmax_bits;        // float32 bits of fmax (448 / 57344)
+  uint32_t min_normal_bits;  // float32 bits of the smallest FP8 normal (2^-6 / 2^-14)
+  uint32_t rebias;           // (127 - fp8 bias) << 23
+  int shift;                 // 23 - mantissa bits: float32 mantissa bits dropped
+  uint32_t half_minus_one;   // (1 << (shift - 1)) - 1
+  float magic;               // 2^(23 + log2(subnormal quantum)): its ulp is the FP8 quantum
+  uint32_t magic_bits;
+};
+
+inline uint32_t bits_of(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return b;
+}
+
+inline float float_of(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+}
+
+// fmt_id: 0 = float8_e4m3fn, 1 = float8_e5m2.
+Fmt make_fmt(int64_t fmt_id) {
+  const int mant = fmt_id == 0 ? 3 : 2;
+  const int bias = fmt_id == 0 ? 7 : 15;
+  const float fmax = fmt_id == 0 ? 448.0f : 57344.0f;
+  Fmt f{};
+  f.fmax_bits = bits_of(fmax);
+  f.min_normal_bits = static_cast<uint32_t>(127 + 1 - bias) << 23;
+  f.rebias = static_cast<uint32_t>(127 - bias) << 23;
+  f.shift = 23 - mant;
+  f.half_minus_one = (1u << (f.shift - 1)) - 1u;
+  // subnormal quantum 2^(1 - bias - mant); magic = quantum * 2^23
+  f.magic_bits = static_cast<uint32_t>(127 + 23 + 1 - bias - mant) << 23;
+  f.magic = float_of(f.magic_bits);
+  return f;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scalar path (every CPU; also the tail of the vector loops)
+// ---------------------------------------------------------------------------------------------
+
+inline float load_f32(const float* p) { return *p; }
+inline float load_f32(const bf16_t* p) { return float_of(static_cast<uint32_t>(p->bits) << 16); }
+
+// Exact IEEE half -> float (subnormals, infinities and NaN signs kept).
+inline float load_f32(const f16_t* p) {
+  const uint32_t h = p->bits;
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu;
+  const uint32_t mant = h & 0x3FFu;
+  if (exp == 0x1Fu) return float_of(sign | 0x7F800000u | (mant << 13));
+  if (exp != 0) return float_of(sign | ((exp + 112u) << 23) | (mant << 13));
+  // zero or subnormal: mant * 2^-24, exact in float32 (a normal number there)
+  return float_of(sign | bits_of(static_cast<float>(mant) * 0x1p-24f));
+}
+
+inline uint8_t encode_scalar(float v, float scale, const Fmt& f) {
+  const float p = v * scale;  // one float32 multiply (built with -ffp-contract=off)
+  const uint32_t b = bits_of(p);
+  const uint32_t sign = (b >> 24) & 0x80u;
+  uint32_t a = b & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) {
+    return static_cast<uint8_t>(0x7Fu | sign);  // NaN keeps its sign, as torch's cast does
+  }
+  a = std::min(a, f.fmax_bits);  // saturate (inf included)
+  uint32_t code;
+  if (a < f.min_normal_bits) {
+    const float s = float_of(a) + f.magic;  // the FPU rounds to the FP8 quantum, ties to even
+    code = bits_of(s) - f.magic_bits;
+  } else {
+    code = (a + f.half_minus_one + ((a >> f.shift) & 1u) - f.rebias) >> f.shift;
+  }
+  return static_cast<uint8_t>(code | sign);
+}
+
+// amax update that ignores NaN: a NaN |v| compares false and leaves acc unchanged.
+inline float amax_update(float acc, float v) {
+  const float a = std::fabs(v);
+  return a > acc ? a : acc;
+}
+
+template <typename T>
+float encode_span_scalar(const T* src, uint8_t* dst, int64_t n, float scale, const Fmt& f,
+                         float acc) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = load_f32(src + i);
+    acc = amax_update(acc, v);
+    dst[i] = encode_scalar(v, scale, f);
+  }
+  return acc;
+}
+
+template <typename T>
+float amax_span_scalar(const T* src, int64_t n, float acc) {
+  for (int64_t i = 0; i < n; ++i) acc = amax_update(acc, load_f32(src + i));
+  return acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 path: 32 elements per iteration (4 x 8 float32 lanes -> one 32-byte store)
+// ---------------------------------------------------------------------------------------------
+
+#if FP8KIT_HAVE_X86
+#define FP8KIT_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+FP8KIT_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+FP8KIT_AVX2 inline __m256 load8(const bf16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+FP8KIT_AVX2 inline __m256 load8(const f16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+struct VecFmt {
+  __m256i min_normal_bits, rebias_minus_half, one, max_code, sign_mask, magic_bits;
+  __m256 fmax, abs_mask, magic, scale;
+  __m128i shift;
+};
+
+FP8KIT_AVX2 inline VecFmt make_vec_fmt(const Fmt& f, float scale) {
+  VecFmt v;
+  v.min_normal_bits = _mm256_set1_epi32(static_cast<int>(f.min_normal_bits));
+  // a + (half - 1) - rebias, folded into one constant (wraps modulo 2^32 like the scalar code)
+  v.rebias_minus_half = _mm256_set1_epi32(static_cast<int>(f.half_minus_one - f.rebias));
+  v.one = _mm256_set1_epi32(1);
+  v.max_code = _mm256_set1_epi32(0x7F);
+  v.sign_mask = _mm256_set1_epi32(0x80);
+  v.magic_bits = _mm256_set1_epi32(static_cast<int>(f.magic_bits));
+  v.fmax = _mm256_set1_ps(float_of(f.fmax_bits));
+  v.abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  v.magic = _mm256_set1_ps(f.magic);
+  v.scale = _mm256_set1_ps(scale);
+  v.shift = _mm_cvtsi32_si128(f.shift);
+  return v;
+}
+
+// 8 float32 values -> 8 int32 FP8 codes (0..255); acc = max(acc, |x|) ignoring NaN.
+// Same result as encode_scalar, with two shortcuts: min_ps(fmax, |p|) saturates and keeps a NaN
+// (minps returns its second operand when either is NaN), and a NaN's bits, run through the
+// normal-number formula, give a code above 0x7F that the final unsigned min turns into 0x7F
+// (finite codes are at most 0x7E), so NaN needs no compare and blend of its own.
+FP8KIT_AVX2 inline __m256i encode8(__m256 x, const VecFmt& v, __m256& acc) {
+  // maxps returns its second operand when either is NaN: a NaN |x| leaves acc as it was.
+  acc = _mm256_max_ps(_mm256_and_ps(x, v.abs_mask), acc);
+  const __m256 p = _mm256_mul_ps(x, v.scale);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(p), 24), v.sign_mask);
+  const __m256i a = _mm256_castps_si256(_mm256_min_ps(v.fmax, _mm256_and_ps(p, v.abs_mask)));
+  const __m256i odd = _mm256_and_si256(_mm256_srl_epi32(a, v.shift), v.one);
+  const __m256i normal = _mm256_srl_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(a, v.rebias_minus_half), odd), v.shift);
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), v.magic)), v.magic_bits);
+  const __m256i is_sub = _mm256_cmpgt_epi32(v.min_normal_bits, a);  // a <= 0x7FFFFFFF: signed ok
+  const __m256i code = _mm256_min_epu32(_mm256_blendv_epi8(normal, sub, is_sub), v.max_code);
+  return _mm256_or_si256(code, sign);
+}
+
+// Four vectors of int32 codes (elements 0-7, 8-15, 16-23, 24-31) -> 32 bytes in order.
+FP8KIT_AVX2 inline __m256i pack32(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+  const __m256i p01 = _mm256_packs_epi32(c0, c1);  // per lane: c0 lo/hi half, c1 lo/hi half
+  const __m256i p23 = _mm256_packs_epi32(c2, c3);
+  const __m256i b = _mm256_packus_epi16(p01, p23);  // dwords: c0l c1l c2l c3l | c0h c1h c2h c3h
+  return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+template <typename T>
+FP8KIT_AVX2 float encode_span_avx2(const T* src, uint8_t* dst, int64_t n, float scale,
+                                   const Fmt& f, float acc_in, bool stream) {
+  const VecFmt v = make_vec_fmt(f, scale);
+  __m256 acc0 = _mm256_setzero_ps();
+  __m256 acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  if (stream) {
+    // Scalar head up to a 32-byte aligned destination so the loop can use streaming stores.
+    const int64_t head = std::min<int64_t>(n, (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31);
+    acc_in = encode_span_scalar(src, dst, head, scale, f, acc_in);
+    i = head;
+    for (; i + 32 <= n; i += 32) {
+      const __m256i c0 = encode8(load8(src + i), v, acc0);
+      const __m256i c1 = encode8(load8(src + i + 8), v, acc1);
+      const __m256i c2 = encode8(load8(src + i + 16), v, acc0);
+      const __m256i c3 = encode8(load8(src + i + 24), v, acc1);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), pack32(c0, c1, c2, c3));
+    }
+    _mm_sfence();
+  } else {
+    for (; i + 32 <= n; i += 32) {
+      const __m256i c0 = encode8(load8(src + i), v, acc0);
+      const __m256i c1 = encode8(load8(src + i + 8), v, acc1);
+      const __m256i c2 = encode8(load8(src + i + 16), v, acc0);
+      const __m256i c3 = encode8(load8(src + i + 24), v, acc1);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), pack32(c0, c1, c2, c3));
+    }
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(acc0, acc1));
+  float acc = acc_in;
+  for (float l : lanes) acc = std::max(acc, l);
+  return encode_span_scalar(src + i, dst + i, n - i, scale, f, acc);
+}
+
+template <typename T>
+FP8KIT_AVX2 float amax_span_avx2(const T* src, int64_t n, float acc_in) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (int k = 0; k < 4; ++k) {  // max_ps(|x|, acc) keeps acc where |x| is NaN
+      acc[k] = _mm256_max_ps(_mm256_and_ps(load8(src + i + 8 * k), abs_mask), acc[k]);
+    }
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(acc[0], acc[1]),
+                                       _mm256_max_ps(acc[2], acc[3])));
+  float result = acc_in;
+  for (float l : lanes) result = std::max(result, l);
+  return amax_span_scalar(src + i, n - i, result);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 path: 64 elements per iteration (4 x 16 float32 lanes -> one 64-byte store)
+// ---------------------------------------------------------------------------------------------
+
+#define FP8KIT_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+FP8KIT_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+FP8KIT_AVX512 inline __m512 load16(const bf16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+FP8KIT_AVX512 inline __m512 load16(const f16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+struct VecFmt512 {
+  __m512i min_normal_bits, rebias_minus_half, one, max_code, sign_mask, magic_bits;
+  __m512 fmax, magic, scale;
+  __m128i shift;
+};
+
+FP8KIT_AVX512 inline VecFmt512 make_vec_fmt512(const Fmt& f, float scale) {
+  VecFmt512 v;
+  v.min_normal_bits = _mm512_set1_epi32(static_cast<int>(f.min_normal_bits));
+  v.rebias_minus_half = _mm512_set1_epi32(static_cast<int>(f.half_minus_one - f.rebias));
+  v.one = _mm512_set1_epi32(1);
+  v.max_code = _mm512_set1_epi32(0x7F);
+  v.sign_mask = _mm512_set1_epi32(0x80);
+  v.magic_bits = _mm512_set1_epi32(static_cast<int>(f.magic_bits));
+  v.fmax = _mm512_set1_ps(float_of(f.fmax_bits));
+  v.magic = _mm512_set1_ps(f.magic);
+  v.scale = _mm512_set1_ps(scale);
+  v.shift = _mm_cvtsi32_si128(f.shift);
+  return v;
+}
+
+// 16 float32 values -> 16 FP8 codes (bytes); the same steps as encode8.
+FP8KIT_AVX512 inline __m128i encode16(__m512 x, const VecFmt512& v, __m512& acc) {
+  acc = _mm512_max_ps(_mm512_abs_ps(x), acc);  // NaN |x| leaves acc as it was
+  const __m512 p = _mm512_mul_ps(x, v.scale);
+  const __m512i sign = _mm512_srli_epi32(_mm512_castps_si512(p), 24);  // masked by 0x80 below
+  const __m512i a = _mm512_castps_si512(_mm512_min_ps(v.fmax, _mm512_abs_ps(p)));
+  const __m512i odd = _mm512_and_si512(_mm512_srl_epi32(a, v.shift), v.one);
+  const __m512i normal = _mm512_srl_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(a, v.rebias_minus_half), odd), v.shift);
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), v.magic)), v.magic_bits);
+  const __mmask16 is_sub = _mm512_cmplt_epu32_mask(a, v.min_normal_bits);
+  const __m512i code = _mm512_min_epu32(_mm512_mask_blend_epi32(is_sub, normal, sub), v.max_code);
+  // code | (sign & 0x80) in one ternary-logic op: imm bit (a*4 + b*2 + c) = a | (b & c) -> 0xF8
+  return _mm512_cvtepi32_epi8(_mm512_ternarylogic_epi32(code, sign, v.sign_mask, 0xF8));
+}
+
+template <typename T>
+FP8KIT_AVX512 float encode_span_avx512(const T* src, uint8_t* dst, int64_t n, float scale,
+                                       const Fmt& f, float acc_in, bool stream) {
+  const VecFmt512 v = make_vec_fmt512(f, scale);
+  __m512 acc0 = _mm512_setzero_ps();
+  __m512 acc1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  if (stream) {  // scalar head up to a 64-byte aligned destination, then whole-line stores
+    i = std::min<int64_t>(n, (64 - (reinterpret_cast<uintptr_t>(dst) & 63)) & 63);
+    acc_in = encode_span_scalar(src, dst, i, scale, f, acc_in);
+  }
+  for (; i + 64 <= n; i += 64) {
+    const __m128i c0 = encode16(load16(src + i), v, acc0);
+    const __m128i c1 = encode16(load16(src + i + 16), v, acc1);
+    const __m128i c2 = encode16(load16(src + i + 32), v, acc0);
+    const __m128i c3 = encode16(load16(src + i + 48), v, acc1);
+    const __m512i line = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_set_m128i(c1, c0)), _mm256_set_m128i(c3, c2), 1);
+    if (stream) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), line);
+    } else {
+      _mm512_storeu_si512(dst + i, line);
+    }
+  }
+  if (stream) _mm_sfence();
+  const float acc = std::max(acc_in, _mm512_reduce_max_ps(_mm512_max_ps(acc0, acc1)));
+  return encode_span_avx2(src + i, dst + i, n - i, scale, f, acc, false);
+}
+
+template <typename T>
+FP8KIT_AVX512 float amax_span_avx512(const T* src, int64_t n, float acc_in) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    for (int k = 0; k < 4; ++k) {
+      acc[k] = _mm512_max_ps(_mm512_abs_ps(load16(src + i + 16 * k)), acc[k]);
+    }
+  }
+  const __m512 m = _mm512_max_ps(_mm512_max_ps(acc[0], acc[1]), _mm512_max_ps(acc[2], acc[3]));
+  return amax_span_avx2(src + i, n - i, std::max(acc_in, _mm512_reduce_max_ps(m)));
+}
+
+bool cpu_has_avx512() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return has;
+}
+
+bool cpu_has_avx2() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }();
+  return has;
+}
+#else
+bool cpu_has_avx2() { return false; }
+bool cpu_has_avx512() { return false; }
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch helpers
+// ---------------------------------------------------------------------------------------------
+
+enum Isa : int32_t { kIsaAuto = 0, kIsaScalar = 1, kIsaAvx2 = 2, kIsaAvx512 = 3 };
+enum InDtype : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+enum Status : int32_t {
+  kOk = 0,
+  kBadDtype = 1,
+  kBadFormat = 2,
+  kBadIsa = 3,
+  kIsaUnavailable = 4,
+  kBadShape = 5,
+  kInternalError = 6,
+};
+
+// The best instruction set of this CPU (kIsaAvx512, kIsaAvx2 or kIsaScalar).
+int32_t best_isa() {
+  if (cpu_has_avx512()) return kIsaAvx512;
+  return cpu_has_avx2() ? kIsaAvx2 : kIsaScalar;
+}
+
+// Encode n contiguous elements with the loop of instruction set `level` (an Isa, not auto).
+template <typename T>
+float encode_span(const T* src, uint8_t* dst, int64_t n, float scale, const Fmt& f, float acc,
+                  int32_t level, bool stream) {
+#if FP8KIT_HAVE_X86
+  if (level == kIsaAvx512) return encode_span_avx512(src, dst, n, scale, f, acc, stream);
+  if (level == kIsaAvx2) return encode_span_avx2(src, dst, n, scale, f, acc, stream);
+#endif
+  (void)level;
+  (void)stream;
+  return encode_span_scalar(src, dst, n, scale, f, acc);
+}
+
+// Outputs larger than this many bytes are written with streaming stores (they would not stay in
+// cache anyway, and streaming skips the read-for-ownership of the destination lines).
+constexpr int64_t kStreamBytes = int64_t{8} << 20;
+// Elements per thread below which a call stays serial: an OpenMP region costs microseconds (much
+// more when the other cores are busy), a 256K-element cast ~100 us on one core.
+constexpr int64_t kGrain = int64_t{1} << 18;
+
+template <typename T>
+float cast_linear(const T* src, uint8_t* dst, int64_t n, float scale, const Fmt& f,
+                  int32_t level) {
+  const bool stream = level >= kIsaAvx2 && n >= kStreamBytes;
+  return at::parallel_reduce(
+      int64_t{0}, n, kGrain, 0.0f,
+      [&](int64_t begin, int64_t end, float acc) {
+        return encode_span(src + begin, dst + begin, end - begin, scale, f, acc, level, stream);
+      },
+      [](float a, float b) { return std::max(a, b); });
+}
+
+// Validate the common arguments; on success set the instruction set to use and the format.
+int32_t prepare(int32_t in_dtype, int32_t fmt_id, int32_t isa, int32_t* level, Fmt* fmt) {
+  if (in_dtype < kFloat32 || in_dtype > kFloat16) return kBadDtype;
+  if (fmt_id != 0 && fmt_id != 1) return kBadFormat;
+  if (isa < kIsaAuto || isa > kIsaAvx512) return kBadIsa;
+  if (isa > best_isa()) return kIsaUnavailable;
+  *level = isa == kIsaAuto ? best_isa() : isa;
+  *fmt = make_fmt(fmt_id);
+  return kOk;
+}
+
+// Call fn with src typed as const float* / const bf16_t* / const f16_t*.
+template <typename Fn>
+void dispatch_input(const void* src, int32_t in_dtype, Fn&& fn) {
+  switch (in_dtype) {
+    case kFloat32:
+      fn(static_cast<const float*>(src));
+      break;
+    case kBFloat16:
+      fn(static_cast<const bf16_t*>(src));
+      break;
+    default:
+      fn(static_cast<const f16_t*>(src));
+      break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cast + transpose (2-D): data (M, N) row-major and data_t (N, M) row-major in one read
+// ---------------------------------------------------------------------------------------------
+
+constexpr int64_t kTile = 32;  // AVX2 transpose tile (32 registers of 32 bytes)
+constexpr int64_t kBandRows = 64;  // rows per band: each out_t row gets 64 bytes = 1 cache line
+constexpr int64_t kBandCols = 4096;  // columns per chunk: 64 x 4096 FP8 bytes = 256 KiB (L2)
+
+// Transpose a rows x cols byte block (row stride ld_src) into dst (row stride ld_dst).
+inline void transpose_block_scalar(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols,
+                                   uint8_t* dst, int64_t ld_dst) {
+  for (int64_t c = 0; c < cols; ++c) {
+    uint8_t* d = dst + c * ld_dst;
+    for (int64_t r = 0; r < rows; ++r) d[r] = src[r * ld_src + c];
+  }
+}
+
+#if FP8KIT_HAVE_X86
+// Transpose a 32 x 32 byte tile (row stride ld_src) into dst (row stride ld_dst) with AVX2.
+// The 32 x 32 transpose is four 16 x 16 ones: after pairing 128-bit halves, each 256-bit register
+// holds a row of the upper 16 rows in lane 0 and the matching row of the lower 16 in lane 1, and
+// four rounds of in-lane unpacks (8, 16, 32, 64-bit) transpose both lanes at once.
+FP8KIT_AVX2 inline void transpose_tile32_avx2(const uint8_t* src, int64_t ld_src, uint8_t* dst,
+                                              int64_t ld_dst) {
+  __m256i r[32];
+  for (int i = 0; i < 16; ++i) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * ld_src));
+    const __m256i b =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (i + 16) * ld_src));
+    r[i] = _mm256_permute2x128_si256(a, b, 0x20);       // row i, row i+16: columns 0-15
+    r[i + 16] = _mm256_permute2x128_si256(a, b, 0x31);  // row i, row i+16: columns 16-31
+  }
+  // Output order of the four unpack rounds: u[k] holds column kCol[k] of the 16 x 16 block.
+  static constexpr int kCol[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  for (int h = 0; h < 2; ++h) {
+    const __m256i* v = r + h * 16;
+    __m256i t[16];
+    __m256i u[16];
+    for (int i = 0; i < 8; ++i) {  // pairs of rows, bytes interleaved
+      t[2 * i] = _mm256_unpacklo_epi8(v[2 * i], v[2 * i + 1]);
+      t[2 * i + 1] = _mm256_unpackhi_epi8(v[2 * i], v[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // groups of 4 rows
+      for (int j = 0; j < 2; ++j) {
+        u[4 * i + j] = _mm256_unpacklo_epi16(t[4 * i + j], t[4 * i + j + 2]);
+        u[4 * i + j + 2] = _mm256_unpackhi_epi16(t[4 * i + j], t[4 * i + j + 2]);
+      }
+    }
+    for (int i = 0; i < 2; ++i) {  // groups of 8 rows
+      for (int j = 0; j < 4; ++j) {
+        t[8 * i + j] = _mm256_unpacklo_epi32(u[8 * i + j], u[8 * i + j + 4]);
+        t[8 * i + j + 4] = _mm256_unpackhi_epi32(u[8 * i + j], u[8 * i + j + 4]);
+      }
+    }
+    for (int j = 0; j < 8; ++j) {  // all 16 rows
+      u[j] = _mm256_unpacklo_epi64(t[j], t[j + 8]);
+      u[j + 8] = _mm256_unpackhi_epi64(t[j], t[j + 8]);
+    }
+    for (int k = 0; k < 16; ++k) {
+      const int c = h * 16 + kCol[k];
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * ld_dst), u[k]);
+    }
+  }
+}
+
+// 64 x 64 bytes of the band buffer (row stride ld) -> 64 rows of 64 bytes of out_t (row stride
+// m), through an L1 buffer so every out_t store is a whole line (streaming when `stream`).
+FP8KIT_AVX2 void transpose_block64_avx2(const uint8_t* buf, int64_t ld, uint8_t* dst, int64_t m,
+                                        bool stream) {
+  alignas(64) uint8_t tile_t[kBandRows * 64];
+  for (int rb = 0; rb < 2; ++rb) {
+    for (int cb = 0; cb < 2; ++cb) {
+      transpose_tile32_avx2(buf + rb * kTile * ld + cb * kTile, ld,
+                            tile_t + cb * kTile * 64 + rb * kTile, 64);
+    }
+  }
+  for (int64_t c = 0; c < 64; ++c) {
+    const __m256i lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(tile_t + c * 64));
+    const __m256i hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(tile_t + c * 64 + 32));
+    __m256i* d = reinterpret_cast<__m256i*>(dst + c * m);
+    if (stream) {
+      _mm256_stream_si256(d, lo);
+      _mm256_stream_si256(d + 1, hi);
+    } else {
+      _mm256_storeu_si256(d, lo);
+      _mm256_storeu_si256(d + 1, hi);
+    }
+  }
+}
+
+// Copy w bytes (w % 32 == 0, dst 32-byte aligned) with streaming stores.
+FP8KIT_AVX2 void stream_copy_avx2(uint8_t* dst, const uint8_t* src, int64_t w) {
+  for (int64_t c = 0; c < w; c += 32) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + c),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + c)));
+  }
+}
+
+FP8KIT_AVX2 void store_fence() { _mm_sfence(); }
+#endif
+
+// Bands [band_begin, band_end) of kBandRows rows, in column chunks of kBandCols: encode the
+// chunk's rows (sequential reads of x) into a per-thread band buffer that stays in L2, copy it
+// to out, and transpose it into out_t. x is read once; out and out_t are written once each
+// (with streaming stores for large, line-aligned matrices: 6 bytes of traffic per float32).
+template <typename T>
+float cast_transpose_bands(const T* src, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n,
+                           float scale, const Fmt& f, int32_t level, bool stream,
+                           int64_t band_begin,
+                           int64_t band_end, float acc) {
+  thread_local std::vector<uint8_t> storage;
+  const size_t need = static_cast<size_t>(kBandRows * std::min(n, kBandCols) + 64);
+  if (storage.size() < need) storage.resize(need);
+  uint8_t* buf = storage.data() + ((64 - (reinterpret_cast<uintptr_t>(storage.data()) & 63)) & 63);
+  for (int64_t band = band_begin; band < band_end; ++band) {
+    const int64_t r0 = band * kBandRows;
+    const int64_t rows = std::min(kBandRows, m - r0);
+    for (int64_t c0 = 0; c0 < n; c0 += kBandCols) {
+      const int64_t w = std::min(kBandCols, n - c0);
+      for (int64_t r = 0; r < rows; ++r) {
+        acc = encode_span(src + (r0 + r) * n + c0, buf + r * w, w, scale, f, acc, level, false);
+#if FP8KIT_HAVE_X86
+        if (stream) {  // n % 64 == 0 and out line-aligned: whole lines
+          stream_copy_avx2(out + (r0 + r) * n + c0, buf + r * w, w);
+          continue;
+        }
+#endif
+        std::memcpy(out + (r0 + r) * n + c0, buf + r * w, static_cast<size_t>(w));
+      }
+      for (int64_t cb = 0; cb < w; cb += 64) {
+        const int64_t cols = std::min<int64_t>(64, w - cb);
+        uint8_t* dst = out_t + (c0 + cb) * m + r0;
+#if FP8KIT_HAVE_X86
+        if (level >= kIsaAvx2 && rows == kBandRows && cols == 64) {
+          transpose_block64_avx2(buf + cb, w, dst, m, stream);
+          continue;
+        }
+#endif
+        transpose_block_scalar(buf + cb, w, rows, cols, dst, m);
+      }
+    }
+  }
+#if FP8KIT_HAVE_X86
+  if (stream) store_fence();
+#endif
+  return acc;
+}
+
+template <typename T>
+float cast_transpose_impl(const T* src, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n,
+                          float scale, const Fmt& f, int32_t level) {
+  const int64_t bands = (m + kBandRows - 1) / kBandRows;
+  // Streaming stores only for large outputs whose every store is a whole, aligned cache line.
+  const bool stream = level >= kIsaAvx2 && m * n >= kStreamBytes && m % 64 == 0 && n % 64 == 0 &&
+                      reinterpret_cast<uintptr_t>(out) % 64 == 0 &&
+                      reinterpret_cast<uintptr_t>(out_t) % 64 == 0;
+  // grain in bands: about kGrain elements per task at least
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, n * kBandRows));
+  return at::parallel_reduce(
+      int64_t{0}, bands, grain, 0.0f,
+      [&](int64_t b_begin, int64_t b_end, float acc) {
+        return cast_transpose_bands(src, out, out_t, m, n, scale, f, level, stream, b_begin,
+                                    b_end, acc);
+      },
+      [](float a, float b) { return std::max(a, b); });
+}
+
+// ---------------------------------------------------------------------------------------------
+// amax alone (the first read of current scaling)
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+float amax_impl(const T* src, int64_t n, int32_t level) {
+  return at::parallel_reduce(
+      int64_t{0}, n, kGrain, 0.0f,
+      [&](int64_t begin, int64_t end, float acc) {
+#if FP8KIT_HAVE_X86
+        if (level == kIsaAvx512) return amax_span_avx512(src + begin, end - begin, acc);
+        if (level == kIsaAvx2) return amax_span_avx2(src + begin, end - begin, acc);
+#endif
+        return amax_span_scalar(src + begin, end - begin, acc);
+      },
+      [](float a, float b) { return std::max(a, b); });
+}
+
+}  // namespace
+}  // namespace fp8kit_native
+
+// ---------------------------------------------------------------------------------------------
+// C ABI (ctypes). Every function returns a Status code (0 = success) and never throws.
+// ---------------------------------------------------------------------------------------------
+
+extern "C" {
+
+// Best instruction set on this CPU: 1 = scalar, 2 = AVX2, 3 = AVX-512.
+int32_t fp8kit_best_isa(void) { return fp8kit_native::best_isa(); }
+
+// Cast n contiguous elements of src (in_dtype: 0 float32, 1 bfloat16, 2 float16) with *scale
+// into dst (fmt: 0 float8_e4m3fn, 1 float8_e5m2); *amax = max|src| with NaN ignored.
+int32_t fp8kit_cast(const void* src, int32_t in_dtype, uint8_t* dst, int64_t n,
+                    const float* scale, int32_t fmt_id, int32_t isa, float* amax) {
+  using namespace fp8kit_native;
+  int32_t level = kIsaScalar;
+  Fmt f{};
+  const int32_t status = prepare(in_dtype, fmt_id, isa, &level, &f);
+  if (status != kOk) return status;
+  if (n < 0) return kBadShape;
+  try {
+    float result = 0.0f;
+    if (n > 0) {
+      const float s = *scale;
+      dispatch_input(src, in_dtype,
+                     [&](const auto* p) { result = cast_linear(p, dst, n, s, f, level); });
+    }
+    *amax = result;
+  } catch (...) {
+    return kInternalError;
+  }
+  return kOk;
+}
+
+// Cast a row-major (m, n) src into dst (m, n) and dst_t (n, m), both row-major.
+int32_t fp8kit_cast_transpose(const void* src, int32_t in_dtype, uint8_t* dst, uint8_t* dst_t,
+                              int64_t m, int64_t n, const float* scale, int32_t fmt_id,
+                              int32_t isa, float* amax) {
+  using namespace fp8kit_native;
+  int32_t level = kIsaScalar;
+  Fmt f{};
+  const int32_t status = prepare(in_dtype, fmt_id, isa, &level, &f);
+  if (status != kOk) return status;
+  if (m < 0 || n < 0) return kBadShape;
+  try {
+    float result = 0.0f;
+    if (m > 0 && n > 0) {
+      const float s = *scale;
+      dispatch_input(src, in_dtype, [&](const auto* p) {
+        result = cast_transpose_impl(p, dst, dst_t, m, n, s, f, level);
+      });
+    }
+    *amax = result;
+  } catch (...) {
+    return kInternalError;
+  }
+  return kOk;
+}
+
+// *amax = max|src| over n contiguous elements, NaN ignored (0 when n == 0 or all NaN).
+int32_t fp8kit_amax(const void* src, int32_t in_dtype, int64_t n, int32_t isa, float* amax) {
+  using namespace fp8kit_native;
+  int32_t level = kIsaScalar;
+  Fmt f{};
+  const int32_t status = prepare(in_dtype, 0, isa, &level, &f);
+  if (status != kOk) return status;
+  if (n < 0) return kBadShape;
+  try {
+    float result = 0.0f;
+    if (n > 0) {
+      dispatch_input(src, in_dtype, [&](const auto* p) { result = amax_impl(p, n, level); });
+    }
+    *amax = result;
+  } catch (...) {
+    return kInternalError;
+  }
+  return kOk;
+}
+
+}  // extern "C"
