@@ -14,13 +14,17 @@ Variants (E4M3, scale 448/3):
 - ``copy float32 (ceiling)``: ``buf.copy_(x)`` of N float32, the memory ceiling every row's
   GB/s is divided by (``x ceiling``); for bfloat16 inputs the bfloat16 copy is shown too.
 - ``eager torch, delayed``: fp8kit's pure-torch reference cast (``(x*s).clamp().to(fp8)`` and a
-  NaN-ignoring ``abs().amax()``).
+  NaN-ignoring ``abs().amax()``), written out here with torch's amax (``cast_to_fp8_reference``
+  now gets its amax from ``nan_ignoring_amax``, which runs the amax kernel).
 - ``fp8kit, delayed``: ``cast_to_fp8`` (the native kernel: one read gives data and amax), and
   the same kernel forced to its AVX2 and scalar loops where the CPU has a better one.
 - ``eager torch, current scaling``: NaN-ignoring amax in torch, scale, reference cast.
-- ``fp8kit quantize_current``: as wired today: torch's amax pass, then the kernel's cast.
+- ``torch amax + kernel cast``: ``quantize_current`` as it was before ``nan_ignoring_amax``
+  used the kernel: torch's NaN-ignoring amax (three passes), then the kernel's cast.
+- ``fp8kit quantize_current``: as wired today: the amax kernel's pass, then the kernel's cast.
 - ``fp8kit, current scaling (2 reads)``: the kernel's amax pass, then its cast: the best that
-  current scaling can do, to set against delayed scaling's single read.
+  current scaling can do, to set against delayed scaling's single read (the same work as
+  ``quantize_current`` now, without its ``Float8Tensor`` and reciprocal).
 - ``fp8kit, cast + transpose`` / ``eager torch, cast + transpose``: data and its row-major
   transpose (what wgrad needs), native one pass vs reference cast + ``.t().contiguous()``.
 """
@@ -42,7 +46,6 @@ from fp8kit.torch import kernels
 from fp8kit.torch.quantization import (
     cast_to_fp8,
     cast_to_fp8_reference,
-    nan_ignoring_amax,
     quantize_current,
 )
 from fp8kit.torch.scaling import compute_scale
@@ -80,11 +83,29 @@ def _loadavg() -> str:
         return "n/a"
 
 
+def _torch_amax(x: torch.Tensor) -> torch.Tensor:
+    """NaN-ignoring amax in torch (``nan_ignoring_amax``'s fallback)."""
+    a = x.abs()
+    return torch.where(torch.isnan(a), 0.0, a).amax().to(torch.float32)
+
+
+def _eager_cast(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference cast with torch's amax: everything in eager torch."""
+    return cast_to_fp8_reference(x, scale, E4M3)[0], _torch_amax(x)
+
+
 def _current_reference(x: torch.Tensor) -> object:
     """Eager current scaling: NaN-ignoring amax pass, scale, then the reference cast."""
-    amax = nan_ignoring_amax(x)
+    amax = _torch_amax(x)
     scale = compute_scale(amax, torch.ones_like(amax), E4M3.max, margin=0, power_2_scale=False)
-    return cast_to_fp8_reference(x, scale, E4M3)
+    return _eager_cast(x, scale)
+
+
+def _current_torch_amax(x: torch.Tensor) -> object:
+    """``quantize_current`` before: torch's amax pass, then the kernel's cast."""
+    amax = _torch_amax(x)
+    scale = compute_scale(amax, torch.ones_like(amax), E4M3.max, margin=0, power_2_scale=False)
+    return cast_to_fp8(x, scale, E4M3)
 
 
 def _current_native(x: torch.Tensor) -> object:
@@ -106,7 +127,7 @@ def _variants(x: torch.Tensor, transpose: bool) -> list[Variant]:
         buf = torch.empty_like(x)
         out.append(Variant(f"copy {_name(x.dtype)}", lambda: buf.copy_(x), 2 * n * item))
     out += [
-        Variant("eager torch, delayed", lambda: cast_to_fp8_reference(x, scale, E4M3), one_pass),
+        Variant("eager torch, delayed", lambda: _eager_cast(x, scale), one_pass),
         Variant(
             "fp8kit, delayed (1 read)",
             lambda: cast_to_fp8(x, scale, E4M3),
@@ -129,7 +150,13 @@ def _variants(x: torch.Tensor, transpose: bool) -> list[Variant]:
     out += [
         Variant("eager torch, current scaling", lambda: _current_reference(x), one_pass),
         Variant(
-            "fp8kit quantize_current (torch amax + kernel cast)",
+            "torch amax + kernel cast (quantize_current before)",
+            lambda: _current_torch_amax(x),
+            one_pass,
+            "eager torch, current scaling",
+        ),
+        Variant(
+            "fp8kit quantize_current (kernel amax + kernel cast)",
             lambda: quantize_current(x, E4M3),
             one_pass,
             "eager torch, current scaling",
@@ -148,7 +175,7 @@ def _variants(x: torch.Tensor, transpose: bool) -> list[Variant]:
         x2 = x.view(-1, 4096) if n % 4096 == 0 else x.view(1, -1)
 
         def eager_t() -> object:
-            data, amax = cast_to_fp8_reference(x2, scale, E4M3)
+            data, amax = _eager_cast(x2, scale)
             return data, data.t().contiguous(), amax
 
         out += [

@@ -7,6 +7,7 @@ import importlib
 
 BENCHMARKS = (
     "bench_quantize",
+    "bench_dequantize",
     "bench_training",
     "bench_update",
     "bench_memory",

@@ -104,17 +104,40 @@ class Float8Tensor:
 
 
 def dequantize(t: Float8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``t.data * t.scale_inv`` in float32, cast to ``dtype`` (float32, bfloat16 or float16)."""
+    """``t.data * t.scale_inv`` in float32, cast to ``dtype`` (float32, bfloat16 or float16).
+
+    One float32 multiply of the exact float32 values, as ``t.data.to(torch.float32) *
+    t.scale_inv``; on the CPU the native kernel (:func:`fp8kit.torch.kernels.dequantize_fp8`)
+    computes the same bits in one pass (and rounds to bfloat16 in the same pass).
+    """
     if dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(
             f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}"
         )
+    if t.data.device.type == "cpu":
+        from fp8kit.torch import kernels  # cached module lookup after the first call
+
+        return kernels.dequantize_fp8(t.data, t.scale_inv, dtype)  # torch where no kernel fits
     out = t.data.to(torch.float32) * t.scale_inv
     return out if dtype == torch.float32 else out.to(dtype)
 
 
 def nan_ignoring_amax(x: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` over all elements with NaN ignored, as a float32 0-d tensor (0 if none)."""
+    """``max |x|`` over all elements with NaN ignored, as a float32 0-d tensor (0 if none).
+
+    CPU float32 / bfloat16 / float16 tensors go through the native one-read kernel
+    (:func:`fp8kit.torch.kernels.native_amax`, same value bit for bit; like the cast kernel's
+    amax it carries no autograd history) where it is built; torch (three passes) otherwise.
+    """
+    if (
+        x.device.type == "cpu"
+        and x.dtype in HIGH_PRECISION_DTYPES
+        and not torch.compiler.is_compiling()
+    ):
+        from fp8kit.torch import kernels
+
+        if kernels.load_native() is not None:
+            return kernels.native_amax(x)
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     a = x.abs()

@@ -1,7 +1,10 @@
 """The fused FP8 cast kernels (fp8kit.torch.kernels) against the pure-torch reference, bit for bit.
 
 Every native result is compared with ``cast_to_fp8_reference`` on the FP8 bit patterns, the amax
-bits, dtype, shape, strides and device, for both the scalar and the AVX2 loop of the C++ kernel.
+bits (against a pure-torch amax: ``nan_ignoring_amax`` itself now runs the amax kernel), dtype,
+shape, strides and device, for every loop of the C++ kernel the CPU has (scalar, AVX2, AVX-512).
+The dequantize kernel (FP8 -> float32 / bfloat16) is compared with ``data.to(torch.float32) *
+scale`` the same way, and with values decoded from the formats' bit layouts.
 The reference itself is checked against the independent numpy model in ``tests/reference.py``.
 The Triton kernel is checked the same way under ``TRITON_INTERPRET=1`` (in a subprocess, since
 the interpreter is chosen when the kernel is defined).
@@ -26,7 +29,13 @@ import torch
 
 from fp8kit.formats import E4M3, E5M2, FP8Format
 from fp8kit.torch import kernels
-from fp8kit.torch.quantization import cast_to_fp8, cast_to_fp8_reference
+from fp8kit.torch.quantization import (
+    Float8Tensor,
+    cast_to_fp8,
+    cast_to_fp8_reference,
+    dequantize,
+    nan_ignoring_amax,
+)
 from tests.reference import quantize_reference
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,11 +101,25 @@ def assert_same(
     )
 
 
+def _torch_amax(x: torch.Tensor) -> torch.Tensor:
+    """The pure-torch NaN-ignoring amax (``nan_ignoring_amax``'s fallback), the amax reference."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32)
+    a = x.abs()
+    return torch.where(torch.isnan(a), 0.0, a).amax().to(torch.float32)
+
+
+def _reference(
+    x: torch.Tensor, s: torch.Tensor, fmt: FP8Format
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return cast_to_fp8_reference(x, s, fmt)[0], _torch_amax(x)
+
+
 def _check_native(
     x: torch.Tensor, scale: float, fmt: FP8Format, isas: list[int], what: str = ""
 ) -> None:
     s = _scale(scale)
-    want = cast_to_fp8_reference(x, s, fmt)
+    want = _reference(x, s, fmt)
     for isa in isas:
         got = kernels.native_cast(x, s, fmt, isa)
         assert_same(got, want, f"{what} {fmt} scale={scale} isa={ISA_NAMES[isa]}")
@@ -150,7 +173,12 @@ def _fallback_cast_is_correct() -> None:
     data, amax = cast_to_fp8(x, _scale(2.0), E4M3)
     ref, ref_amax = cast_to_fp8_reference(x, _scale(2.0), E4M3)
     assert torch.equal(data.view(torch.uint8), ref.view(torch.uint8))
-    assert amax.item() == ref_amax.item()
+    assert amax.item() == ref_amax.item() == _torch_amax(x).item()
+    assert nan_ignoring_amax(x).item() == ref_amax.item()
+    q = Float8Tensor(data, _scale(0.7))
+    for dtype in DTYPES:
+        assert torch.equal(dequantize(q, dtype), (data.float() * 0.7).to(dtype))
+    assert torch.equal(kernels.dequantize_fp8(data.t()), data.t().float())
 
 
 def test_disable_env_uses_torch_path_silently(
@@ -379,7 +407,7 @@ def test_cast_to_fp8_dispatches_to_native(monkeypatch: pytest.MonkeyPatch) -> No
     for dtype in DTYPES:
         assert_same(
             cast_to_fp8(x.to(dtype), _scale(2.0), E4M3),
-            cast_to_fp8_reference(x.to(dtype), _scale(2.0), E4M3),
+            _reference(x.to(dtype), _scale(2.0), E4M3),
         )
     assert calls == DTYPES
     # a float64 scale is not the kernel's contract: the reference handles it
@@ -426,13 +454,17 @@ def test_c_entry_points_validate_their_arguments() -> None:
     assert lib.cast(0, 0, 0, -1, 0, 0, 0, 0) == 5  # negative size
     assert lib.cast_transpose(0, 0, 0, 0, -1, 3, 0, 0, 0, 0) == 5
     assert lib.amax(0, 3, 0, 0, 0) == 1
+    assert lib.dequant(0, 5, 0, 0, 0, 0, 0) == 2  # bad format
+    assert lib.dequant(0, 0, 0, 2, 0, 0, 0) == 1  # bad output dtype (float16 is not offered)
+    assert lib.dequant(0, 0, 0, 0, 0, 0, 9) == 3  # bad isa
+    assert lib.dequant(0, 0, 0, 0, -1, 0, 0) == 5  # negative size
+    assert lib.dequant(0, 1, 0, 1, 0, 0, 0) == 0  # nothing to do: no pointer is touched
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_native_amax_matches_torch(isas: list[int], dtype: torch.dtype) -> None:
-    """The amax-only kernel (current scaling's first read) equals nan_ignoring_amax."""
-    from fp8kit.torch.quantization import nan_ignoring_amax
-
+    """The amax-only kernel (current scaling's first read) equals torch's NaN-ignoring amax,
+    and nan_ignoring_amax (which now runs it) too."""
     gen = torch.Generator().manual_seed(9)
     cases = [
         _all_16bit_patterns(torch.bfloat16).to(dtype),
@@ -445,9 +477,9 @@ def test_native_amax_matches_torch(isas: list[int], dtype: torch.dtype) -> None:
     cases[-1][50_000] = float("-inf")
     cases[-1][60_000] = float("nan")
     for x in cases:
-        want = nan_ignoring_amax(x)
-        for isa in isas:
-            got = kernels.native_amax(x, isa)
+        want = _torch_amax(x)
+        for isa in [*isas, None]:
+            got = nan_ignoring_amax(x) if isa is None else kernels.native_amax(x, isa)
             assert got.dtype == torch.float32 and got.dim() == 0
             assert int(_bits(got.reshape(1))) == int(_bits(want.reshape(1))), (isa, got, want)
 
@@ -477,7 +509,7 @@ def test_cast_transpose_native(isas: list[int], dtype: torch.dtype) -> None:
         x.view(-1)[:: max(1, x.numel() // 5)] = float("nan")
         for fmt in FORMATS:
             s = _scale(fmt.max / 300.0)
-            want = cast_to_fp8_reference(x, s, fmt)
+            want = _reference(x, s, fmt)
             want_t = _bits(want[0]).t()
             for isa in isas:
                 what = f"transpose {m}x{n} {fmt} isa={ISA_NAMES[isa]}"
@@ -493,7 +525,7 @@ def test_cast_transpose_large_streaming_path(isas: list[int]) -> None:
     x = (torch.randn(1024, 8256, generator=gen) * 100).to(torch.bfloat16)
     x[700, 8000] = float("nan")
     s = _scale(2.0)
-    want = cast_to_fp8_reference(x, s, E4M3)
+    want = _reference(x, s, E4M3)
     want_t = _bits(want[0]).t()
     for isa in isas:
         data, data_t, amax = kernels.native_cast_transpose(x, s, E4M3, isa)
@@ -510,12 +542,296 @@ def test_cast_to_fp8_transpose_any_input() -> None:
         s = _scale(4.0)
         data, data_t, amax = kernels.cast_to_fp8_transpose(v, s, E5M2)
         if v.dtype == torch.float64:
-            want = cast_to_fp8_reference(v, s, E5M2)  # no kernel for float64 inputs
+            want = _reference(v, s, E5M2)  # no kernel for float64 inputs
             want = (want[0].contiguous(), want[1])
         else:
-            want = cast_to_fp8_reference(v.contiguous(), s, E5M2)
+            want = _reference(v.contiguous(), s, E5M2)
         assert_same((data, amax), want, f"{tuple(v.shape)}")
         assert data_t.is_contiguous() and torch.equal(_bits(data_t), _bits(want[0]).t())
+
+
+# ---------------------------------------------------------------------------------------------
+# Dequantize: FP8 -> float32 / bfloat16
+# ---------------------------------------------------------------------------------------------
+
+FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
+# scale_inv values: none (the exact upcast), 1, typical (1 / (448/3)), non-power-of-two, tiny
+# (float32 subnormal results and underflow to 0), huge (overflow to inf), the smallest subnormal,
+# zero, negative, inf and NaN
+DEQUANT_SCALES: list[float | None] = [
+    None,
+    1.0,
+    3.0 / 448.0,
+    0.7,
+    2.0**-130,
+    3.0e38,
+    1e-45,
+    0.0,
+    -2.5,
+    math.inf,
+    math.nan,
+]
+
+
+def _all_codes(dtype: torch.dtype) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+
+
+def _dequant_reference(
+    data: torch.Tensor, scale: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    out = data.to(torch.float32)
+    if scale is not None:
+        out = out * scale
+    return out.to(out_dtype)
+
+
+def assert_same_values(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+    """Equal bit for bit where ``want`` is a number; NaN exactly where ``want`` is NaN; same
+    dtype, shape and strides."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    assert got.stride() == want.stride(), (what, got.stride(), want.stride())
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), f"{what}: NaN positions differ"
+    ints = torch.int32 if got.element_size() == 4 else torch.int16
+    gb, wb = got.view(ints), want.view(ints)
+    bad = ((gb != wb) & ~nan).nonzero()
+    if bad.numel():
+        i = tuple(bad[0].tolist())
+        raise AssertionError(
+            f"{what}: {bad.shape[0]} values differ, first at {i}: got {got[i].item()!r} "
+            f"(0x{int(gb[i]) & 0xFFFFFFFF:x}), "
+            f"want {want[i].item()!r} (0x{int(wb[i]) & 0xFFFFFFFF:x})"
+        )
+
+
+def _check_dequant(
+    data: torch.Tensor, scale: float | None, isas: list[int], what: str = ""
+) -> None:
+    s = None if scale is None else _scale(scale)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        want = _dequant_reference(data, s, out_dtype)
+        for isa in isas:
+            got = kernels.native_dequantize(data, s, out_dtype, isa)
+            assert_same_values(
+                got, want, f"{what} {data.dtype} scale={scale} -> {out_dtype} {ISA_NAMES[isa]}"
+            )
+
+
+def _decode_from_bit_layout(code: int, fmt: FP8Format) -> float:
+    """The value of an FP8 code from its sign / exponent / mantissa fields (SPEC section 1)."""
+    sign = -1.0 if code & 0x80 else 1.0
+    exp = (code >> fmt.mantissa_bits) & ((1 << (7 - fmt.mantissa_bits)) - 1)
+    mant = code & ((1 << fmt.mantissa_bits) - 1)
+    top = (1 << (7 - fmt.mantissa_bits)) - 1
+    if fmt is E4M3 and code & 0x7F == 0x7F:
+        return math.nan
+    if fmt is E5M2 and exp == top:
+        return math.nan if mant else sign * math.inf
+    if exp == 0:
+        return sign * mant * 2.0 ** (1 - fmt.bias - fmt.mantissa_bits)
+    return sign * (1 + mant / 2**fmt.mantissa_bits) * 2.0 ** (exp - fmt.bias)
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
+def test_dequantize_all_codes(isas: list[int], fp8: torch.dtype) -> None:
+    """Every code at every position of the vector loops and their tails, every scale."""
+    codes = _all_codes(fp8)
+    fmt = E4M3 if fp8 == torch.float8_e4m3fn else E5M2
+    want = np.array([_decode_from_bit_layout(c, fmt) for c in range(256)])
+    for isa in isas:
+        got = kernels.native_dequantize(codes, None, torch.float32, isa)
+        np.testing.assert_array_equal(got.double().numpy(), want)  # NaN == NaN here
+        # unscaled, even the NaN bits are torch's (0x7FF00000 with the sign for E4M3fn)
+        assert torch.equal(got.view(torch.int32), codes.float().view(torch.int32))
+        got16 = kernels.native_dequantize(codes, None, torch.bfloat16, isa)
+        np.testing.assert_array_equal(got16.double().numpy(), want)  # exact in bfloat16
+    x = codes.repeat(3)
+    for scale in DEQUANT_SCALES:
+        for shift in (0, 1, 13, 31):
+            _check_dequant(torch.roll(x.view(torch.uint8), shift).view(fp8), scale, isas, "codes")
+        _check_dequant(x[5:-2], scale, isas, "codes offset 5")
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=str)
+def test_dequantize_random_layouts_and_sizes(isas: list[int], fp8: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(31)
+
+    def codes(*shape: int) -> torch.Tensor:
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).view(fp8)
+
+    for n in SIZES:
+        x = codes(n)
+        _check_dequant(x, None, isas, f"n={n}")
+        _check_dequant(x[1:], 0.7, isas, f"n={n} offset 1")
+    base = codes(6, 40, 33)
+    views = {
+        "2-D contiguous": codes(257, 31),
+        "2-D column-major (a transposed contiguous tensor)": codes(96, 65).t(),
+        "column-major, both sides odd": codes(33, 1031).t(),
+        "permute": base.permute(2, 0, 1),
+        "slice (not dense)": base[:, ::2],
+        "narrow (not dense)": base[1:4, 3:30, 5:],
+        "expand": base[:, :1].expand(6, 40, 33),
+        "0-d": base[2, 3, 4],
+        "column": base[0, :, 7],
+    }
+    for name, v in views.items():
+        for scale in (None, 3.0 / 448.0):
+            _check_dequant(v, scale, isas, name)
+    for shape in [(0,), (3, 0), (0, 5, 2)]:
+        _check_dequant(torch.empty(shape, dtype=fp8), 0.5, isas, f"empty {shape}")
+
+
+def test_dequantize_large_streaming_path(isas: list[int]) -> None:
+    """Outputs of 32 MiB and more: scalar head to a 64-byte boundary, streaming stores, tail."""
+    gen = torch.Generator().manual_seed(8)
+    raw = torch.randint(0, 256, ((8 << 20) + 41,), dtype=torch.uint8, generator=gen)
+    x = raw.view(torch.float8_e5m2)[3:]  # unaligned source, head of 3 floats
+    s = _scale(0.7)
+    want = x.float() * s
+    for isa in isas:
+        assert_same_values(
+            kernels.native_dequantize(x, s, torch.float32, isa), want, f"{ISA_NAMES[isa]}"
+        )
+    # bfloat16 output streams from 16M elements: check it against the float32 result rounded
+    big = raw.repeat(2).view(torch.float8_e4m3fn)[1:]
+    f32 = kernels.native_dequantize(big, s)
+    assert_same_values(f32[::4097].contiguous(), big[::4097].float() * s, "float32 sample")
+    want16 = f32.to(torch.bfloat16)
+    for isa in isas:
+        got = kernels.native_dequantize(big, s, torch.bfloat16, isa)
+        assert_same_values(got, want16, f"bf16 {ISA_NAMES[isa]}")
+
+
+def test_dequantize_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """quantization.dequantize and kernels.dequantize_fp8 use the kernel where it applies (same
+    results as torch), and torch where it does not."""
+    if not kernels.native_available():
+        pytest.skip(f"native kernel unavailable: {kernels.native_build_error()}")
+    calls: list[torch.dtype] = []
+    real = kernels.native_dequantize
+
+    def spy(data: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(data.dtype)
+        return real(data, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernels, "native_dequantize", spy)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(70, 48, generator=gen) * 100
+    for fp8 in FP8_DTYPES:
+        data = x.to(fp8)
+        for t in (Float8Tensor(data, _scale(0.3)), Float8Tensor(data.t(), _scale(2.0**-7))):
+            for dtype in DTYPES:
+                calls.clear()
+                want = (t.data.to(torch.float32) * t.scale_inv).to(dtype)
+                assert_same_values(dequantize(t, dtype), want, f"{fp8} -> {dtype}")
+                assert_same_values(t.dequantize(dtype), want, f"{fp8} -> {dtype}")
+                assert calls == [fp8, fp8]
+        calls.clear()
+        assert torch.equal(kernels.dequantize_fp8(data), data.float())
+        assert calls == [fp8]
+    data = x.to(torch.float8_e4m3fn)
+    fallbacks = {
+        "float64 scale": Float8Tensor(data, torch.tensor(0.5, dtype=torch.float64)),
+        "scale that needs a gradient": Float8Tensor(data, torch.tensor(0.5, requires_grad=True)),
+        "scale with more dims than data": Float8Tensor(data[3, 4], torch.tensor([[0.5]])),
+    }
+    for name, t in fallbacks.items():
+        calls.clear()
+        got = dequantize(t)
+        want = t.data.to(torch.float32) * t.scale_inv
+        assert calls == [], name
+        assert torch.equal(got, want) and got.shape == want.shape, name
+        assert got.requires_grad == want.requires_grad, name
+    # a one-element scale of shape (1,) broadcasts to data's shape: still the kernel
+    calls.clear()
+    t = Float8Tensor(data, torch.tensor([0.5]))
+    assert_same_values(dequantize(t), data.float() * t.scale_inv, "scale of shape (1,)")
+    assert calls == [torch.float8_e4m3fn]
+
+
+def test_dequant_mm_unchanged_and_uses_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The "dequant" CPU GEMM backend gives exactly the old result (torch upcasts) for both
+    operand layouts and formats, with the upcasts in the kernel."""
+    from fp8kit.torch import gemm
+
+    if not kernels.native_available():
+        pytest.skip(f"native kernel unavailable: {kernels.native_build_error()}")
+    calls: list[tuple[int, ...]] = []
+    real = kernels.native_dequantize
+
+    def spy(data: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(data.stride())
+        return real(data, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernels, "native_dequantize", spy)
+    gen = torch.Generator().manual_seed(13)
+    m, k, n = 48, 80, 32
+    for fa, fb in (
+        (torch.float8_e4m3fn, torch.float8_e4m3fn),
+        (torch.float8_e5m2, torch.float8_e4m3fn),
+    ):
+        a = Float8Tensor((torch.randn(m, k, generator=gen) * 30).to(fa), _scale(0.37))
+        b = Float8Tensor((torch.randn(n, k, generator=gen) * 30).to(fb).t(), _scale(3.0 / 448))
+        for out_dtype in DTYPES:
+            calls.clear()
+            got = gemm._dequant_mm(a, b, out_dtype)
+            acc = a.data.to(torch.float32) @ b.data.to(torch.float32)
+            want = acc.mul_(a.scale_inv * b.scale_inv).to(out_dtype)
+            assert torch.equal(got, want), (fa, fb, out_dtype)
+            assert got.dtype == out_dtype
+            assert calls == [(k, 1), (1, k)]  # row-major A, column-major B, no copies
+        assert torch.equal(gemm.scaled_mm(a, b), gemm._dequant_mm(a, b, torch.float32))
+
+
+def test_native_dequantize_errors() -> None:
+    if not kernels.native_available():
+        pytest.skip(f"native kernel unavailable: {kernels.native_build_error()}")
+    d = torch.zeros(4, dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"data must be torch\.float8_e4m3fn or torch\.float8_e5m2"):
+        kernels.native_dequantize(torch.zeros(4))
+    with pytest.raises(TypeError, match=r"out_dtype must be torch\.float32 or torch\.bfloat16"):
+        kernels.native_dequantize(d, None, torch.float16)
+    with pytest.raises(TypeError, match="scale must be a float32 CPU tensor with one element"):
+        kernels.native_dequantize(d, torch.ones(2))
+    with pytest.raises(ValueError, match="isa must be"):
+        kernels.native_dequantize(d, None, torch.float32, 7)
+    with pytest.raises(TypeError, match="data must be a CPU tensor"):
+        kernels.native_dequantize([1.0, 2.0])  # type: ignore[arg-type]
+    if kernels.native_isa_level() < kernels.ISA_AVX512:
+        with pytest.raises(RuntimeError, match="not supported by this CPU"):
+            kernels.native_dequantize(d, None, torch.float32, kernels.ISA_AVX512)
+
+
+def test_nan_ignoring_amax_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nan_ignoring_amax runs the amax kernel for CPU float tensors and torch otherwise; the
+    same float32 0-d value either way (NaN ignored, 0 for empty or all-NaN tensors)."""
+    if not kernels.native_available():
+        pytest.skip(f"native kernel unavailable: {kernels.native_build_error()}")
+    calls: list[torch.dtype] = []
+    real = kernels.native_amax
+
+    def spy(x: torch.Tensor, *args: int) -> torch.Tensor:
+        calls.append(x.dtype)
+        return real(x, *args)
+
+    monkeypatch.setattr(kernels, "native_amax", spy)
+    gen = torch.Generator().manual_seed(14)
+    for dtype in DTYPES:
+        x = (torch.randn(33, 70, generator=gen) * 9).to(dtype)
+        x[3, 5] = float("nan")
+        for v in (x, x.t(), x[:, ::3], torch.empty(0, 3, dtype=dtype), x[:0]):
+            got = nan_ignoring_amax(v)
+            want = _torch_amax(v)
+            assert got.dtype == torch.float32 and got.dim() == 0
+            assert int(_bits(got.reshape(1))) == int(_bits(want.reshape(1)))
+        assert nan_ignoring_amax(torch.full((9,), float("nan"), dtype=dtype)).item() == 0.0
+    assert calls == [d for d in DTYPES for _ in range(6)]
+    calls.clear()
+    assert nan_ignoring_amax(torch.tensor([3, -7])).item() == 7.0  # integers: torch
+    assert nan_ignoring_amax(torch.tensor([1.5, -2.0], dtype=torch.float64)).item() == 2.0
+    assert calls == []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,12 @@
   (see :mod:`._native`).
 - CUDA: a Triton kernel (:mod:`.triton_cast`) with the same algorithm, when ``triton`` imports.
 
-Both match :func:`fp8kit.torch.quantization.cast_to_fp8_reference` bit for bit;
+The C++ library also holds the way back, FP8 -> float32 / bfloat16 (:func:`dequantize_fp8`,
+used by :func:`fp8kit.torch.quantization.dequantize` and the CPU ``"dequant"`` GEMM backend), and
+the amax-only pass :func:`native_amax` (used by
+:func:`fp8kit.torch.quantization.nan_ignoring_amax`).
+
+The cast kernels match :func:`fp8kit.torch.quantization.cast_to_fp8_reference` bit for bit;
 :func:`fp8kit.torch.quantization.cast_to_fp8` picks the kernel and falls back to the pure-torch
 reference for anything they do not cover. Set ``FP8KIT_DISABLE_NATIVE=1`` to never build or use
 the C++ kernel.
@@ -32,6 +37,7 @@ from fp8kit.torch.kernels._native import (
     native_build_error,
     native_cast,
     native_cast_transpose,
+    native_dequantize,
     native_isa,
     native_isa_level,
 )
@@ -44,12 +50,14 @@ __all__ = [
     "NativeKernelWarning",
     "cache_dir",
     "cast_to_fp8_transpose",
+    "dequantize_fp8",
     "load_native",
     "native_amax",
     "native_available",
     "native_build_error",
     "native_cast",
     "native_cast_transpose",
+    "native_dequantize",
     "native_isa",
     "native_isa_level",
     "triton_available",
@@ -134,3 +142,54 @@ def _scale_ok(x: torch.Tensor, scale: torch.Tensor) -> bool:
         and scale.numel() == 1
         and scale.device == x.device
     )
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dequantize_fp8(
+    data: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``data.to(torch.float32) * scale`` (or the exact ``data.to(torch.float32)`` when ``scale``
+    is None), cast to ``dtype``: the native kernel where it applies, torch otherwise.
+
+    The kernel runs for CPU ``float8_e4m3fn`` / ``float8_e5m2`` data with no scale or a float32
+    CPU scale of one element and at most ``data.dim()`` dimensions (so the result has
+    ``data.shape``) that needs no autograd, outside ``torch.compile`` tracing. Either way the
+    values are the same bit for bit (NaN stays NaN): one float32 multiply; a bfloat16 ``dtype``
+    rounds the float32 result to nearest even (the kernel writes it directly), a float16 one is
+    torch's cast of the kernel's float32 result.
+
+    Args:
+        data: FP8 tensor, any shape and strides.
+        scale: None, or the float32 factor (``scale_inv``), a tensor with one element.
+        dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
+
+    Returns:
+        Tensor of ``dtype`` and ``data``'s shape, laid out as torch's elementwise result.
+    """
+    if _dequant_native_ok(data, scale, dtype):
+        if dtype == torch.float16:
+            return native_dequantize(data, scale).to(torch.float16)
+        return native_dequantize(data, scale, dtype)
+    out = data.to(torch.float32)
+    if scale is not None:
+        out = out * scale
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _dequant_native_ok(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    if not (
+        isinstance(data, torch.Tensor)
+        and data.device.type == "cpu"
+        and data.dtype in _FP8_DTYPES
+        and dtype in _INPUT_DTYPES
+    ):
+        return False
+    if scale is not None and not (
+        _scale_ok(data, scale)
+        and scale.dim() <= data.dim()  # broadcasting keeps data's shape
+        and not (scale.requires_grad and torch.is_grad_enabled())  # torch's result has a grad_fn
+    ):
+        return False
+    return not torch.compiler.is_compiling() and load_native() is not None

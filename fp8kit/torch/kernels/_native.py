@@ -42,6 +42,7 @@ __all__ = [
     "native_build_error",
     "native_cast",
     "native_cast_transpose",
+    "native_dequantize",
     "native_isa",
     "native_isa_level",
 ]
@@ -111,6 +112,9 @@ class _Lib:
         self.amax = lib.fp8kit_amax
         self.amax.argtypes = [vp, i32, i64, i32, vp]
         self.amax.restype = i32
+        self.dequant = lib.fp8kit_dequant
+        self.dequant.argtypes = [vp, i32, vp, i32, i64, vp, i32]
+        self.dequant.restype = i32
         self.best_isa = lib.fp8kit_best_isa
         self.best_isa.argtypes = []
         self.best_isa.restype = i32
@@ -214,6 +218,8 @@ def native_isa_level() -> int:
 _IN_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ONE = torch.ones((), dtype=torch.float32)  # placeholder scale for argument checks
 _FP8_DTYPES = {0: torch.float8_e4m3fn, 1: torch.float8_e5m2}
+_FP8_FMT_IDS = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
+_DEQUANT_OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _STATUS = {
     1: "x must be float32, bfloat16 or float16",
     2: "fmt must be fp8kit.formats.E4M3 or E5M2",
@@ -268,9 +274,10 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
     return x.resolve_neg() if x.is_neg() else x
 
 
-def _raise_status(status: int, what: str) -> None:
+def _raise_status(status: int, what: str, messages: dict[int, str] | None = None) -> None:
     if status != 0:
-        raise RuntimeError(f"{what}: {_STATUS.get(status, f'status {status}')}")
+        msg = {**_STATUS, **(messages or {})}.get(status, f"status {status}")
+        raise RuntimeError(f"{what}: {msg}")
 
 
 def native_cast(
@@ -378,3 +385,59 @@ def native_amax(x: torch.Tensor, isa: int = ISA_AUTO) -> torch.Tensor:
     status = lib.amax(src.data_ptr(), _IN_DTYPES[x.dtype], x.numel(), isa, amax.data_ptr())
     _raise_status(status, "fp8kit native amax")
     return amax
+
+
+def native_dequantize(
+    data: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    isa: int = ISA_AUTO,
+) -> torch.Tensor:
+    """FP8 -> ``float32(data) * scale`` on the CPU, bit for bit ``data.to(torch.float32) * scale``.
+
+    Args:
+        data: CPU ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` tensor, any shape and strides.
+        scale: None (no multiply: the exact values) or a float32 CPU tensor with one element
+            (``scale_inv`` of a :class:`~fp8kit.torch.quantization.Float8Tensor`), applied with
+            one float32 multiply.
+        out_dtype: ``torch.float32``, or ``torch.bfloat16``: the float32 result rounded to
+            nearest even, as ``.to(torch.bfloat16)`` rounds it (exact when ``scale`` is None:
+            every FP8 value is a bfloat16 value); a NaN stays NaN.
+        isa: as in :func:`native_cast`.
+
+    Returns:
+        Tensor of ``data.shape`` and ``out_dtype`` laid out like ``torch.empty_like(data)``, as
+        torch's conversion lays out its result (a transposed input gives a transposed output).
+        NaN codes give the NaN bits torch's conversion gives (``0x7FF00000`` with the sign for
+        E4M3fn; with a bfloat16 output, or a NaN ``scale``, only "a NaN" is promised).
+    """
+    lib = _require_lib()
+    if not isinstance(data, torch.Tensor) or data.device.type != "cpu":
+        where = data.device if isinstance(data, torch.Tensor) else type(data).__name__
+        raise TypeError(f"data must be a CPU tensor, got {where}")
+    if data.dtype not in _FP8_FMT_IDS:
+        raise TypeError(f"data must be torch.float8_e4m3fn or torch.float8_e5m2, got {data.dtype}")
+    if out_dtype not in _DEQUANT_OUT_DTYPES:
+        raise TypeError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
+    if scale is not None:
+        _check_args(torch.empty(0), scale, isa)
+    elif isa not in (ISA_AUTO, ISA_SCALAR, ISA_AVX2, ISA_AVX512):
+        _check_args(torch.empty(0), _ONE, isa)  # raises the isa error
+    out = torch.empty_like(data, dtype=out_dtype)
+    src = data
+    if data.stride() != out.stride():
+        # Not dense in empty_like's layout (a slice, an expanded view, ...): densify the bytes
+        # in that layout so input and output walk memory in the same order.
+        src = torch.empty_like(data)
+        src.copy_(data)
+    status = lib.dequant(
+        src.data_ptr(),
+        _FP8_FMT_IDS[data.dtype],
+        out.data_ptr(),
+        _DEQUANT_OUT_DTYPES[out_dtype],
+        data.numel(),
+        None if scale is None else scale.data_ptr(),
+        isa,
+    )
+    _raise_status(status, "fp8kit native dequantize", {1: "out_dtype must be float32 or bfloat16"})
+    return out

@@ -1,5 +1,7 @@
 // fp8kit native FP8 cast: one read of a float32 / bfloat16 / float16 buffer writes its FP8 copy
-// (E4M3fn or E5M2) and returns max|x| (NaN ignored), optionally with the transposed copy.
+// (E4M3fn or E5M2) and returns max|x| (NaN ignored), optionally with the transposed copy; and the
+// way back (dequantize): FP8 -> float32(code) * scale as float32 or bfloat16 (see the section
+// "FP8 -> float32 / bfloat16" below).
 //
 // Numerics (SPEC section 2), identical bit for bit to fp8kit's pure-torch reference
 // `cast_to_fp8_reference`:
@@ -436,6 +438,11 @@ constexpr int64_t kStreamBytes = int64_t{8} << 20;
 // Elements per thread below which a call stays serial: an OpenMP region costs microseconds (much
 // more when the other cores are busy), a 256K-element cast ~100 us on one core.
 constexpr int64_t kGrain = int64_t{1} << 18;
+// Dequantized outputs (4 or 2 bytes per element) of this many bytes and more are written with
+// streaming stores. Measured on one core (CPU time): streaming halves the write time from 16 MiB
+// up (write + first read back: equal at 16 MiB, 27% less at 32 MiB); below it, the output's
+// first read (the GEMM that follows) profits from finding it in cache.
+constexpr int64_t kDequantStreamBytes = int64_t{32} << 20;
 
 template <typename T>
 float cast_linear(const T* src, uint8_t* dst, int64_t n, float scale, const Fmt& f,
@@ -661,6 +668,274 @@ float amax_impl(const T* src, int64_t n, int32_t level) {
       [](float a, float b) { return std::max(a, b); });
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// FP8 -> float32 / bfloat16 (dequantize): out = float32(fp8) * scale
+// ---------------------------------------------------------------------------------------------
+//
+// Every FP8 value is exact in float32, so float32(fp8) is exact and the result is one float32
+// multiply, as torch's `data.to(float32) * scale_inv`. The vector loops decode through IEEE half
+// (F16C vcvtph2ps: exact, float16 subnormals included):
+//   E5M2:   the byte is the top byte of a float16 (same exponent width and bias): h = b << 8.
+//   E4M3fn: h = sign << 15 | (b & 0x7F) << 7 is the float16 of fp8 * 2^-8 (the exponent field is
+//           read with bias 15 instead of 7; E4M3 subnormals m * 2^-9 become the float16
+//           subnormals m * 2^-17), so float32(fp8) = float(h) * 256, exact. The NaN codes
+//           0x7F / 0xFF would give h = 0x3F80 (1.875): they are patched to 0x7F80, a quiet
+//           float16 NaN whose float32 is 0x7FF00000 with the sign, the bits torch's own
+//           conversion produces.
+// The scalar loop (any CPU, and the tails) reads a 256-entry float32 table of the same values.
+// bfloat16 output: the float32 result rounded to nearest even (exact, a truncation, when there is
+// no scale: every FP8 value is a bfloat16 value); a NaN stays a quiet NaN with its sign.
+
+// float32(code) for every byte of format fmt_id, bit for bit what torch's conversion returns.
+inline float decode_scalar(uint32_t b, int32_t fmt_id) {
+  if (fmt_id == 1) {
+    const f16_t h{static_cast<uint16_t>(b << 8)};
+    return load_f32(&h);
+  }
+  const uint32_t sign = (b & 0x80u) << 24;
+  const uint32_t em = b & 0x7Fu;
+  if (em == 0x7Fu) return float_of(sign | 0x7FF00000u);  // NaN
+  if (em < 8u) return float_of(sign | bits_of(static_cast<float>(em) * 0x1p-9f));  // m * 2^-9
+  return float_of(sign | ((em + (120u << 3)) << 20));  // exponent e + 120, mantissa m << 20
+}
+
+struct DecodeTables {
+  float v[2][256];
+};
+
+// The 256 values of each format (built once, thread-safe static initialisation).
+const float* decode_table(int32_t fmt_id) {
+  static const DecodeTables tables = [] {
+    DecodeTables t{};
+    for (int32_t f = 0; f < 2; ++f) {
+      for (uint32_t b = 0; b < 256; ++b) t.v[f][b] = decode_scalar(b, f);
+    }
+    return t;
+  }();
+  return tables.v[fmt_id];
+}
+
+// float32 -> bfloat16 bits, round to nearest even; NaN -> quiet NaN with the same sign.
+inline uint16_t bf16_rne(float p) {
+  const uint32_t b = bits_of(p);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x40u);
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+inline void store_out(float* d, float p) { *d = p; }
+inline void store_out(bf16_t* d, float p) { d->bits = bf16_rne(p); }
+
+template <typename Out>
+void dequant_span_scalar(const uint8_t* src, Out* dst, int64_t n, float scale, int32_t fmt_id) {
+  const float* lut = decode_table(fmt_id);
+  for (int64_t i = 0; i < n; ++i) store_out(dst + i, lut[src[i]] * scale);  // one multiply
+}
+
+#if FP8KIT_HAVE_X86
+// 16 FP8 codes -> the 16 float16 bit patterns described above (E5M2: the same values; E4M3fn:
+// the values times 2^-8, NaN codes patched to a float16 NaN).
+template <int32_t kFmt>
+FP8KIT_AVX2 inline __m256i fp8_to_half16(__m128i codes) {
+  const __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(codes), 8);  // code << 8
+  if (kFmt == 1) return t;
+  // srai by 1: bit 15 = bit 14 = sign, bits 13..7 = the 7 exponent and mantissa bits; clear 14
+  const __m256i h =
+      _mm256_and_si256(_mm256_srai_epi16(t, 1), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+  const __m256i em = _mm256_set1_epi16(0x7F00);
+  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(t, em), em);
+  return _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x4000)));  // 0x3F80 -> 0x7F80
+}
+
+// float(fp8) * scale for 16 codes at s, as two vectors of 8 (elements 0-7, 8-15).
+template <int32_t kFmt>
+FP8KIT_AVX2 inline void decode16_avx2(const uint8_t* s, __m256 scale, __m256& f0, __m256& f1) {
+  const __m256i h = fp8_to_half16<kFmt>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  f0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  f1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  if (kFmt == 0) {  // exact: undo the 2^-8 of the float16 encoding
+    f0 = _mm256_mul_ps(f0, _mm256_set1_ps(256.0f));
+    f1 = _mm256_mul_ps(f1, _mm256_set1_ps(256.0f));
+  }
+  f0 = _mm256_mul_ps(f0, scale);  // the one rounded multiply
+  f1 = _mm256_mul_ps(f1, scale);
+}
+
+// 8 float32 -> 8 bfloat16 bit patterns in the low 16 bits of each int32 lane (as bf16_rne).
+FP8KIT_AVX2 inline __m256i bf16_rne8(__m256 p) {
+  const __m256i b = _mm256_castps_si256(p);
+  const __m256i hi = _mm256_srli_epi32(b, 16);
+  const __m256i odd = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), odd), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+}
+
+template <bool kStream>
+FP8KIT_AVX2 inline void store16_avx2(float* d, __m256 f0, __m256 f1) {
+  if (kStream) {
+    _mm256_stream_ps(d, f0);
+    _mm256_stream_ps(d + 8, f1);
+  } else {
+    _mm256_storeu_ps(d, f0);
+    _mm256_storeu_ps(d + 8, f1);
+  }
+}
+
+template <bool kStream>
+FP8KIT_AVX2 inline void store16_avx2(bf16_t* d, __m256 f0, __m256 f1) {
+  // packus per 128-bit lane gives 64-bit blocks f0[0:4] f1[0:4] f0[4:8] f1[4:8]: reorder them
+  const __m256i v =
+      _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_rne8(f0), bf16_rne8(f1)), 0xD8);
+  if (kStream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d), v);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), v);
+  }
+}
+
+template <typename Out, int32_t kFmt, bool kStream>
+FP8KIT_AVX2 int64_t dequant_loop_avx2(const uint8_t* src, Out* dst, int64_t n, float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m256 f0, f1, f2, f3;
+    decode16_avx2<kFmt>(src + i, s, f0, f1);
+    decode16_avx2<kFmt>(src + i + 16, s, f2, f3);
+    store16_avx2<kStream>(dst + i, f0, f1);
+    store16_avx2<kStream>(dst + i + 16, f2, f3);
+  }
+  for (; i + 16 <= n; i += 16) {
+    __m256 f0, f1;
+    decode16_avx2<kFmt>(src + i, s, f0, f1);
+    store16_avx2<kStream>(dst + i, f0, f1);
+  }
+  if (kStream) _mm_sfence();
+  return i;
+}
+
+template <typename Out, int32_t kFmt>
+FP8KIT_AVX2 void dequant_span_avx2(const uint8_t* src, Out* dst, int64_t n, float scale,
+                                   int64_t head, bool stream) {
+  dequant_span_scalar(src, dst, head, scale, kFmt);
+  int64_t i = head;
+  i += stream ? dequant_loop_avx2<Out, kFmt, true>(src + i, dst + i, n - i, scale)
+              : dequant_loop_avx2<Out, kFmt, false>(src + i, dst + i, n - i, scale);
+  dequant_span_scalar(src + i, dst + i, n - i, scale, kFmt);
+}
+
+template <int32_t kFmt>
+FP8KIT_AVX512 inline __m512 decode16_avx512(const uint8_t* s, __m512 scale) {
+  __m512 f = _mm512_cvtph_ps(
+      fp8_to_half16<kFmt>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))));
+  if (kFmt == 0) f = _mm512_mul_ps(f, _mm512_set1_ps(256.0f));  // exact
+  return _mm512_mul_ps(f, scale);                                // the one rounded multiply
+}
+
+// 16 float32 -> 16 bfloat16 bit patterns (as bf16_rne).
+FP8KIT_AVX512 inline __m256i bf16_rne16(__m512 p) {
+  const __m512i b = _mm512_castps_si512(p);
+  const __m512i hi = _mm512_srli_epi32(b, 16);
+  const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+template <bool kStream>
+FP8KIT_AVX512 inline void store64_avx512(float* d, __m512 f0, __m512 f1, __m512 f2, __m512 f3) {
+  if (kStream) {
+    _mm512_stream_ps(d, f0);
+    _mm512_stream_ps(d + 16, f1);
+    _mm512_stream_ps(d + 32, f2);
+    _mm512_stream_ps(d + 48, f3);
+  } else {
+    _mm512_storeu_ps(d, f0);
+    _mm512_storeu_ps(d + 16, f1);
+    _mm512_storeu_ps(d + 32, f2);
+    _mm512_storeu_ps(d + 48, f3);
+  }
+}
+
+template <bool kStream>
+FP8KIT_AVX512 inline void store64_avx512(bf16_t* d, __m512 f0, __m512 f1, __m512 f2,
+                                         __m512 f3) {
+  const __m512i lo = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_rne16(f0)), bf16_rne16(f1), 1);
+  const __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_rne16(f2)), bf16_rne16(f3), 1);
+  if (kStream) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d), lo);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 32), hi);
+  } else {
+    _mm512_storeu_si512(d, lo);
+    _mm512_storeu_si512(d + 32, hi);
+  }
+}
+
+template <typename Out, int32_t kFmt, bool kStream>
+FP8KIT_AVX512 int64_t dequant_loop_avx512(const uint8_t* src, Out* dst, int64_t n, float scale) {
+  const __m512 s = _mm512_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512 f0 = decode16_avx512<kFmt>(src + i, s);
+    const __m512 f1 = decode16_avx512<kFmt>(src + i + 16, s);
+    const __m512 f2 = decode16_avx512<kFmt>(src + i + 32, s);
+    const __m512 f3 = decode16_avx512<kFmt>(src + i + 48, s);
+    store64_avx512<kStream>(dst + i, f0, f1, f2, f3);
+  }
+  if (kStream) _mm_sfence();
+  return i;
+}
+
+template <typename Out, int32_t kFmt>
+FP8KIT_AVX512 void dequant_span_avx512(const uint8_t* src, Out* dst, int64_t n, float scale,
+                                       int64_t head, bool stream) {
+  dequant_span_scalar(src, dst, head, scale, kFmt);
+  int64_t i = head;
+  i += stream ? dequant_loop_avx512<Out, kFmt, true>(src + i, dst + i, n - i, scale)
+              : dequant_loop_avx512<Out, kFmt, false>(src + i, dst + i, n - i, scale);
+  dequant_span_avx2<Out, kFmt>(src + i, dst + i, n - i, scale, 0, false);  // tail
+}
+#endif
+
+// Decode n contiguous codes with the loop of instruction set `level`. With `stream`, a scalar
+// head first aligns the destination to 64 bytes, then the vector loop writes with streaming
+// stores (dst must be aligned to its element size, which torch's allocations are).
+template <typename Out, int32_t kFmt>
+void dequant_span(const uint8_t* src, Out* dst, int64_t n, float scale, int32_t level,
+                  bool stream) {
+  int64_t head = 0;
+  if (stream) {
+    const auto addr = reinterpret_cast<uintptr_t>(dst);
+    head = std::min<int64_t>(
+        n, static_cast<int64_t>(((64 - (addr & 63)) & 63) / sizeof(Out)));
+  }
+#if FP8KIT_HAVE_X86
+  if (level == kIsaAvx512) return dequant_span_avx512<Out, kFmt>(src, dst, n, scale, head, stream);
+  if (level == kIsaAvx2) return dequant_span_avx2<Out, kFmt>(src, dst, n, scale, head, stream);
+#endif
+  (void)level;
+  (void)head;
+  dequant_span_scalar(src, dst, n, scale, kFmt);
+}
+
+template <typename Out>
+void dequant_impl(const uint8_t* src, Out* dst, int64_t n, float scale, int32_t fmt_id,
+                  int32_t level) {
+  const bool stream = level >= kIsaAvx2 &&
+                      n * static_cast<int64_t>(sizeof(Out)) >= kDequantStreamBytes &&
+                      reinterpret_cast<uintptr_t>(dst) % sizeof(Out) == 0;
+  at::parallel_for(int64_t{0}, n, kGrain, [&](int64_t begin, int64_t end) {
+    if (fmt_id == 0) {
+      dequant_span<Out, 0>(src + begin, dst + begin, end - begin, scale, level, stream);
+    } else {
+      dequant_span<Out, 1>(src + begin, dst + begin, end - begin, scale, level, stream);
+    }
+  });
+}
+
 }  // namespace
 }  // namespace fp8kit_native
 
@@ -736,6 +1011,33 @@ int32_t fp8kit_amax(const void* src, int32_t in_dtype, int64_t n, int32_t isa, f
       dispatch_input(src, in_dtype, [&](const auto* p) { result = amax_impl(p, n, level); });
     }
     *amax = result;
+  } catch (...) {
+    return kInternalError;
+  }
+  return kOk;
+}
+
+// dst[i] = float32(src[i]) * (*scale) for n FP8 codes (fmt: 0 float8_e4m3fn, 1 float8_e5m2), one
+// float32 multiply (a null scale means 1: x * 1 is x for every decoded value); out_dtype 0 writes
+// float32, 1 bfloat16 (the float32 result rounded to nearest even).
+int32_t fp8kit_dequant(const uint8_t* src, int32_t fmt_id, void* dst, int32_t out_dtype, int64_t n,
+                       const float* scale, int32_t isa) {
+  using namespace fp8kit_native;
+  int32_t level = kIsaScalar;
+  Fmt f{};
+  const int32_t status = prepare(kFloat32, fmt_id, isa, &level, &f);
+  if (status != kOk) return status;
+  if (out_dtype != kFloat32 && out_dtype != kBFloat16) return kBadDtype;
+  if (n < 0) return kBadShape;
+  try {
+    if (n > 0) {
+      const float s = scale == nullptr ? 1.0f : *scale;
+      if (out_dtype == kFloat32) {
+        dequant_impl(src, static_cast<float*>(dst), n, s, fmt_id, level);
+      } else {
+        dequant_impl(src, static_cast<bf16_t*>(dst), n, s, fmt_id, level);
+      }
+    }
   } catch (...) {
     return kInternalError;
   }
