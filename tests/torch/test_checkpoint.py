@@ -91,9 +91,12 @@ def test_loading_another_history_length_adopts_it_then_the_recipe_resizes() -> N
     assert b[0].fp8_meta.forward.history_len == 8
     saved = a[0].fp8_meta.forward.amax_history.clone()
     shorter = DelayedScaling(amax_history_len=4)
-    with pytest.warns(UserWarning, match="from 8 to 4 entries.*oldest entries are dropped"):
-        with f8.autocast(recipe=shorter), torch.no_grad():
-            b(torch.zeros(1, 32))
+    with (
+        pytest.warns(UserWarning, match="from 8 to 4 entries.*oldest entries are dropped"),
+        f8.autocast(recipe=shorter),
+        torch.no_grad(),
+    ):
+        b(torch.zeros(1, 32))
     assert torch.equal(b[0].fp8_meta.forward.amax_history[1:], saved[5:])
 
 

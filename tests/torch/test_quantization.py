@@ -135,6 +135,5 @@ def test_bad_input_messages() -> None:
         f8.quantize(x, "2", torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="dtype must be"):
         f8.quantize(x, 1.0, torch.float8_e4m3fn).dequantize(torch.int8)
-    if torch.device("meta") != x.device:
-        with pytest.raises(ValueError, match="same device|one device"):
-            f8.quantize(x, torch.tensor(1.0, device="meta"), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"one device"):
+        f8.quantize(x, torch.tensor(1.0, device="meta"), torch.float8_e4m3fn)
