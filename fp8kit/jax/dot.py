@@ -1,0 +1,493 @@
+"""The FP8 ``dot_general`` with a custom VJP that *observes* amaxes (SPEC sections 2-4).
+
+Forward: the lhs (INPUT slot) and rhs (WEIGHT slot) are quantized into the recipe's forward format
+(E4M3 under HYBRID) with the meta's delayed scales, and multiplied as dequantized float32 operands
+(``convert(q) * scale_inv``, the pattern of seed 001 that XLA rewrites into an FP8 GEMM on GPUs;
+elsewhere a float32 dot at full precision on those operands). Backward: the output gradient
+(GRAD_OUTPUT slot) is quantized into the backward format (E5M2 under HYBRID) and both gradient
+GEMMs use FP8 operands.
+``override_linear_precision`` switches any of the three GEMMs to high precision.
+
+How amaxes get out without the optimizer: the op takes the module's :class:`Fp8Meta` and returns
+it unchanged (an identity), and its backward rule returns, as the *cotangent of the meta*, the
+amaxes it saw: history row 0 = ``max(incoming, this call's amaxes)`` and ``step = max(incoming,
+1)``. Calls on the same meta are chained (each call takes the previous call's output meta), so
+their observations combine with **max** along the chain instead of being summed by JAX:
+
+* :func:`dot_general_chained` returns the output meta: thread it yourself (e.g. through a scan
+  carry).
+* :func:`dot_general` remembers, per meta object and per JAX trace, the latest output meta, so
+  every call of one meta inside one traced function joins one chain (a layer reused, a Flax
+  module called twice, several ``apply`` calls in one loss).
+
+Where JAX would still sum (one meta closed over by a ``lax.scan`` body or broadcast by ``vmap``,
+separately computed gradients added together), the ``step`` cotangent counts the chains and
+:func:`fp8kit.jax.update` refuses the result. See ``docs/decisions/0101-jax-observations.md``.
+
+Under ``shard_map`` the backward rule all-reduces (``pmax``) the call's amaxes over
+``meta.amax_reduction_axes`` or, when that is None, over every mesh axis the amax varies over, so
+the meta stays replicated. Under ``jax.jit`` with sharded global arrays the amax is global anyway.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+from fp8kit.formats import FP8Format
+from fp8kit.jax.meta import BwdSlot, Fp8Meta, FwdSlot, ScalingState, bwd_slot, fwd_slot
+from fp8kit.jax.quantization import (
+    cast_to_fp8,
+    check_high_precision,
+    current_scale,
+    nan_ignoring_amax,
+)
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+
+__all__ = ["dot_general", "dot_general_chained", "varying_axes"]
+
+DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], ...]]
+
+
+@dataclass(frozen=True)
+class _Config:
+    """Static description of one FP8 GEMM call (hashable: part of the trace)."""
+
+    dimension_numbers: DimensionNumbers
+    gemm: int
+    fp8_output: bool
+    fp8_grad: bool
+    out_dtype: np.dtype
+    precision: Any
+    lhs_shape: tuple[int, ...]
+    lhs_dtype: np.dtype
+    rhs_shape: tuple[int, ...]
+    rhs_dtype: np.dtype
+    bias_shape: tuple[int, ...] | None
+    bias_dtype: np.dtype | None
+    lhs_vma: frozenset[str]
+    rhs_vma: frozenset[str]
+    bias_vma: frozenset[str]
+
+
+# --- quantization of one slot ------------------------------------------------------------------
+
+
+def _quantize_slot(
+    x: jax.Array, state: ScalingState, slot: int, fmt: FP8Format, recipe: Recipe
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Quantize ``x`` for ``slot`` of ``state``; returns (fp8 data, scale_inv, amax to record).
+
+    The recorded amax is None for current scaling (no history). With ``first_step_scaling=
+    "current"`` a slot without history is cast with ``fmax / amax`` of ``x`` itself.
+    """
+    if isinstance(recipe, Float8CurrentScaling):
+        amax = nan_ignoring_amax(x)
+        scale = current_scale(amax, fmt, recipe.power_2_scale)
+        data, _ = cast_to_fp8(x, scale, fmt)
+        return data, jnp.reciprocal(scale), None
+    scale = state.scale[slot]
+    if recipe.first_step_scaling == "current":
+        own = current_scale(nan_ignoring_amax(x), fmt)
+        scale = jnp.where(state.update_count[slot] > 0, scale, own)
+    data, amax = cast_to_fp8(x, scale, fmt)
+    return data, jnp.reciprocal(scale), amax
+
+
+def _dequant(data: jax.Array, scale_inv: jax.Array) -> jax.Array:
+    return data.astype(jnp.float32) * scale_inv
+
+
+def _precision(cfg: _Config, fp8: bool) -> Any:
+    """FP8 operands are multiplied at full float32 precision (no bf16 / TF32 passes)."""
+    return lax.Precision.HIGHEST if fp8 else cfg.precision
+
+
+def _dot(a: jax.Array, b: jax.Array, cfg: _Config, fp8: bool) -> jax.Array:
+    return lax.dot_general(
+        a,
+        b,
+        cfg.dimension_numbers,
+        precision=_precision(cfg, fp8),
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _flags(recipe: Recipe) -> tuple[bool, bool, bool]:
+    """(fprop, dgrad, wgrad): True where that GEMM runs in FP8."""
+    fprop, dgrad, wgrad = recipe.override_linear_precision
+    return not fprop, not dgrad, not wgrad
+
+
+# --- distribution ------------------------------------------------------------------------------
+
+
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """Mesh axes over which ``x`` differs between devices inside ``shard_map`` (else empty)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(vma or ())
+
+
+def _reduce(amaxes: jax.Array, meta_ct: jax.Array, recipe: Recipe, axes: Any) -> jax.Array:
+    """All-reduce (MAX) a call's amaxes so they match the (replicated) meta."""
+    varying = varying_axes(amaxes) - varying_axes(meta_ct)
+    if isinstance(recipe, DelayedScaling) and not recipe.reduce_amax:
+        if varying:
+            raise ValueError(
+                "recipe.reduce_amax=False, but the amaxes differ across mesh axes "
+                f"{sorted(varying)} while the FP8 meta is the same on every device: give each "
+                "device its own meta (shard it over those axes) or set reduce_amax=True"
+            )
+        return amaxes
+    if axes is None:
+        names = tuple(sorted(varying))
+    else:
+        missing = varying - set(axes)
+        if missing:
+            raise ValueError(
+                f"amax_reduction_axes={axes} misses mesh axes {sorted(missing)} over which the "
+                "amaxes differ; the replicated meta needs them reduced too"
+            )
+        names = tuple(axes)
+    return lax.pmax(amaxes, names) if names else amaxes
+
+
+# --- the transposed GEMMs ----------------------------------------------------------------------
+
+
+def _free(ndim: int, *used: tuple[int, ...]) -> list[int]:
+    taken = set().union(*used)
+    return [d for d in range(ndim) if d not in taken]
+
+
+def _dgrad(dy: jax.Array, w: jax.Array, cfg: _Config, fp8: bool) -> jax.Array:
+    """d(lhs) of ``y = dot_general(lhs, w)``: contract ``dy`` with ``w`` over w's free axes."""
+    (lc, rc), (lb, rb) = cfg.dimension_numbers
+    nx, nw, nb = len(cfg.lhs_shape), len(cfg.rhs_shape), len(lb)
+    x_free = _free(nx, lc, lb)
+    w_free = _free(nw, rc, rb)
+    y_wfree = tuple(range(nb + len(x_free), nb + len(x_free) + len(w_free)))
+    res = lax.dot_general(
+        dy,
+        w,
+        ((y_wfree, tuple(w_free)), (tuple(range(nb)), rb)),
+        precision=_precision(cfg, fp8),
+        preferred_element_type=jnp.float32,
+    )
+    # res axes: batch, then lhs free axes, then lhs contracted axes ordered like sorted(rc).
+    order = sorted(rc)
+    position = {d: k for k, d in enumerate(lb)}
+    position.update({d: nb + m for m, d in enumerate(x_free)})
+    position.update({d: nb + len(x_free) + order.index(r) for d, r in zip(lc, rc, strict=True)})
+    return lax.transpose(res, tuple(position[d] for d in range(nx)))
+
+
+def _wgrad(x: jax.Array, dy: jax.Array, cfg: _Config, fp8: bool) -> jax.Array:
+    """d(rhs) of ``y = dot_general(x, rhs)``: contract ``x`` with ``dy`` over x's free axes."""
+    (lc, rc), (lb, rb) = cfg.dimension_numbers
+    nx, nw, nb = len(cfg.lhs_shape), len(cfg.rhs_shape), len(lb)
+    x_free = _free(nx, lc, lb)
+    w_free = _free(nw, rc, rb)
+    y_xfree = tuple(range(nb, nb + len(x_free)))
+    res = lax.dot_general(
+        x,
+        dy,
+        ((tuple(x_free), y_xfree), (lb, tuple(range(nb)))),
+        precision=_precision(cfg, fp8),
+        preferred_element_type=jnp.float32,
+    )
+    # res axes: batch, then rhs contracted axes ordered like sorted(lc), then rhs free axes.
+    order = sorted(lc)
+    position = {d: k for k, d in enumerate(rb)}
+    position.update({r: nb + order.index(d) for d, r in zip(lc, rc, strict=True)})
+    position.update({d: nb + len(lc) + m for m, d in enumerate(w_free)})
+    return lax.transpose(res, tuple(position[d] for d in range(nw)))
+
+
+def _psum_to(ct: jax.Array, primal_vma: frozenset[str]) -> jax.Array:
+    extra = tuple(sorted(varying_axes(ct) - primal_vma))
+    return lax.psum(ct, extra) if extra else ct
+
+
+# --- the custom VJP ----------------------------------------------------------------------------
+
+
+def _check_meta(meta: Fp8Meta, gemm: int) -> None:
+    if not isinstance(meta, Fp8Meta):
+        raise TypeError(f"meta must be an fp8kit.jax.Fp8Meta, got {type(meta).__name__}")
+    if meta.step.shape != ():
+        raise ValueError(
+            f"meta must be the state of one module (no leading axes), got step shape "
+            f"{tuple(meta.step.shape)}: slice a stacked meta (e.g. inside a scan) first"
+        )
+    if not 0 <= gemm < meta.num_gemms:
+        raise ValueError(f"gemm must be in [0, {meta.num_gemms}) for this meta, got {gemm}")
+
+
+# The rules are jitted so that an eager (un-jitted) training step compiles two programs instead of
+# one per primitive; inside an outer jax.jit they are simply inlined.
+@partial(jax.jit, static_argnums=0)
+def _fp8_dot_fwd(
+    cfg: _Config, lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None, meta: Fp8Meta
+) -> tuple[tuple[jax.Array, Fp8Meta], tuple[Any, ...]]:
+    recipe = meta.recipe
+    fmt = recipe.fp8_format.forward
+    fprop_fp8, dgrad_fp8, wgrad_fp8 = _flags(recipe)
+    g = cfg.gemm
+    obs = jnp.zeros(meta.forward.scale.shape, jnp.float32)
+
+    def record(slot: int, amax: jax.Array | None) -> None:
+        nonlocal obs
+        if amax is not None:
+            obs = obs.at[slot].set(amax)
+
+    x_q = w_q = None
+    if fprop_fp8 or wgrad_fp8:
+        x_q = _quantize_slot(lhs, meta.forward, fwd_slot(g, FwdSlot.INPUT), fmt, recipe)
+        record(fwd_slot(g, FwdSlot.INPUT), x_q[2])
+    if fprop_fp8 or dgrad_fp8:
+        w_q = _quantize_slot(rhs, meta.forward, fwd_slot(g, FwdSlot.WEIGHT), fmt, recipe)
+        record(fwd_slot(g, FwdSlot.WEIGHT), w_q[2])
+
+    if fprop_fp8:
+        assert x_q is not None and w_q is not None
+        y = _dot(_dequant(x_q[0], x_q[1]), _dequant(w_q[0], w_q[1]), cfg, fp8=True)
+    else:
+        y = _dot(lhs, rhs, cfg, fp8=False)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    y = y.astype(cfg.out_dtype)
+    if cfg.fp8_output:
+        slot = fwd_slot(g, FwdSlot.OUTPUT)
+        y_data, y_inv, y_amax = _quantize_slot(y, meta.forward, slot, fmt, recipe)
+        y = _dequant(y_data, y_inv).astype(cfg.out_dtype)
+        record(slot, y_amax)
+
+    # Saved for backward: the FP8 copies (1 byte per element) where that gradient GEMM is FP8.
+    x_saved = (x_q[0], x_q[1]) if wgrad_fp8 and x_q is not None else lhs
+    w_saved = (w_q[0], w_q[1]) if dgrad_fp8 and w_q is not None else rhs
+    return (y, meta), (x_saved, w_saved, obs, meta.backward)
+
+
+@partial(jax.jit, static_argnums=0)
+def _fp8_dot_bwd(
+    cfg: _Config, res: tuple[Any, ...], cts: tuple[jax.Array, Fp8Meta]
+) -> tuple[Any, ...]:
+    x_saved, w_saved, obs_fwd, bwd_state = res
+    dy, meta_ct = cts
+    recipe: Recipe = meta_ct.recipe
+    fmt = recipe.fp8_format.backward
+    _, dgrad_fp8, wgrad_fp8 = _flags(recipe)
+    g = cfg.gemm
+    obs_bwd = jnp.zeros(bwd_state.scale.shape, jnp.float32)
+    dy32 = dy.astype(jnp.float32)
+
+    dy_fp8 = dy32
+    if dgrad_fp8 or wgrad_fp8:
+        slot = bwd_slot(g, BwdSlot.GRAD_OUTPUT)
+        dy_data, dy_inv, dy_amax = _quantize_slot(dy, bwd_state, slot, fmt, recipe)
+        dy_fp8 = _dequant(dy_data, dy_inv)
+        if dy_amax is not None:
+            obs_bwd = obs_bwd.at[slot].set(dy_amax)
+
+    # dgrad and wgrad: the transposes of the forward dot applied to the chosen operands.
+    w_op = _dequant(*w_saved) if isinstance(w_saved, tuple) else w_saved.astype(jnp.float32)
+    x_op = _dequant(*x_saved) if isinstance(x_saved, tuple) else x_saved.astype(jnp.float32)
+    dx = _dgrad(dy_fp8 if dgrad_fp8 else dy32, w_op, cfg, dgrad_fp8).astype(cfg.lhs_dtype)
+    dw = _wgrad(x_op, dy_fp8 if wgrad_fp8 else dy32, cfg, wgrad_fp8).astype(cfg.rhs_dtype)
+    if cfg.fp8_grad:
+        slot = bwd_slot(g, BwdSlot.GRAD_INPUT)
+        dx_data, dx_inv, dx_amax = _quantize_slot(dx, bwd_state, slot, fmt, recipe)
+        dx = _dequant(dx_data, dx_inv).astype(cfg.lhs_dtype)
+        if dx_amax is not None:
+            obs_bwd = obs_bwd.at[slot].set(dx_amax)
+    db = None
+    if cfg.bias_shape is not None:
+        lead = dy32.ndim - len(cfg.bias_shape)
+        summed = tuple(range(lead)) + tuple(
+            lead + i for i, n in enumerate(cfg.bias_shape) if n == 1 and dy32.shape[lead + i] != 1
+        )
+        db = jnp.sum(dy32, axis=summed).reshape(cfg.bias_shape).astype(cfg.bias_dtype)
+    # Under shard_map a replicated operand's gradient is the sum over the devices it was
+    # replicated on (what JAX's own transpose of the implicit pvary does).
+    dx = _psum_to(dx, cfg.lhs_vma)
+    dw = _psum_to(dw, cfg.rhs_vma)
+    if db is not None:
+        db = _psum_to(db, cfg.bias_vma)
+
+    # One collective for this call's amaxes (3 forward + 2 backward), then max into the chain.
+    both = _reduce(
+        jnp.concatenate([obs_fwd, obs_bwd]), meta_ct.step, recipe, meta_ct.amax_reduction_axes
+    )
+    n_fwd = obs_fwd.shape[0]
+    fwd_h = meta_ct.forward.amax_history
+    bwd_h = meta_ct.backward.amax_history
+    meta_in_ct = replace(
+        meta_ct,
+        forward=replace(meta_ct.forward, amax_history=fwd_h.at[0].max(both[:n_fwd])),
+        backward=replace(meta_ct.backward, amax_history=bwd_h.at[0].max(both[n_fwd:])),
+        step=jnp.maximum(meta_ct.step, 1.0),
+    )
+    return dx, dw, db, meta_in_ct
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_dot(
+    cfg: _Config, lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None, meta: Fp8Meta
+) -> tuple[jax.Array, Fp8Meta]:
+    return _fp8_dot_fwd(cfg, lhs, rhs, bias, meta)[0]
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+# --- public entry points -----------------------------------------------------------------------
+
+
+def _config(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    bias: jax.Array | None,
+    dimension_numbers: Any,
+    gemm: int,
+    fp8_output: bool,
+    fp8_grad: bool,
+    preferred_element_type: Any,
+    precision: Any,
+) -> _Config:
+    for name, flag in (("fp8_output", fp8_output), ("fp8_grad", fp8_grad)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if isinstance(gemm, bool) or not isinstance(gemm, int):
+        raise TypeError(f"gemm must be an int, got {gemm!r}")
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        contracting = (tuple(map(int, lc)), tuple(map(int, rc)))
+        dims = (contracting, (tuple(map(int, lb)), tuple(map(int, rb))))
+    except (TypeError, ValueError):
+        raise ValueError(
+            "dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, "
+            f"rhs_batch)) as for jax.lax.dot_general, got {dimension_numbers!r}"
+        ) from None
+    out = jnp.result_type(lhs, rhs) if preferred_element_type is None else preferred_element_type
+    return _Config(
+        dimension_numbers=dims,
+        gemm=gemm,
+        fp8_output=fp8_output,
+        fp8_grad=fp8_grad,
+        out_dtype=np.dtype(out),
+        precision=precision,
+        lhs_shape=tuple(lhs.shape),
+        lhs_dtype=np.dtype(lhs.dtype),
+        rhs_shape=tuple(rhs.shape),
+        rhs_dtype=np.dtype(rhs.dtype),
+        bias_shape=None if bias is None else tuple(bias.shape),
+        bias_dtype=None if bias is None else np.dtype(bias.dtype),
+        lhs_vma=varying_axes(lhs),
+        rhs_vma=varying_axes(rhs),
+        bias_vma=frozenset() if bias is None else varying_axes(bias),
+    )
+
+
+def dot_general_chained(
+    lhs: Any,
+    rhs: Any,
+    dimension_numbers: Any,
+    meta: Fp8Meta,
+    *,
+    bias: jax.Array | None = None,
+    gemm: int = 0,
+    fp8_output: bool = False,
+    fp8_grad: bool = False,
+    preferred_element_type: Any = None,
+    precision: Any = None,
+) -> tuple[jax.Array, Fp8Meta]:
+    """FP8 ``lax.dot_general(lhs, rhs)`` (+ bias) returning ``(out, meta_out)``.
+
+    ``meta_out`` has the values of ``meta``; pass it to the next call that uses the same module
+    state so both calls' amaxes combine with max (see module doc).
+
+    Args:
+        lhs: the activation (INPUT slot), a high-precision float array.
+        rhs: the weight (WEIGHT slot), a high-precision float array.
+        dimension_numbers: as for ``jax.lax.dot_general``.
+        meta: the module's :class:`Fp8Meta` (one module: no leading axes).
+        bias: optional, broadcastable to the output; added in float32 (before an FP8 output).
+        gemm: which GEMM of the module this is (slots ``3*gemm + FwdSlot``, ``2*gemm + BwdSlot``).
+        fp8_output / fp8_grad: also pass the output / the lhs gradient through FP8 (OUTPUT and
+            GRAD_INPUT slots), returning the dequantized values.
+        preferred_element_type: output dtype (default: the promoted dtype of lhs and rhs).
+        precision: ``jax.lax.Precision`` for GEMMs the recipe keeps in high precision.
+
+    Returns:
+        ``(out, meta_out)``; ``out`` has ``preferred_element_type``.
+    """
+    lhs = check_high_precision(lhs, "lhs")
+    rhs = check_high_precision(rhs, "rhs")
+    if bias is not None:
+        bias = check_high_precision(bias, "bias")
+    _check_meta(meta, gemm)
+    cfg = _config(
+        lhs,
+        rhs,
+        bias,
+        dimension_numbers,
+        gemm,
+        fp8_output,
+        fp8_grad,
+        preferred_element_type,
+        precision,
+    )
+    return _fp8_dot(cfg, lhs, rhs, bias, meta)
+
+
+# Per meta object: (trace it was last used in, the meta returned by that call).
+_CHAINS: weakref.WeakKeyDictionary[Fp8Meta, tuple[Any, Fp8Meta]] = weakref.WeakKeyDictionary()
+
+
+def dot_general(
+    lhs: Any,
+    rhs: Any,
+    dimension_numbers: Any,
+    meta: Fp8Meta,
+    *,
+    bias: jax.Array | None = None,
+    gemm: int = 0,
+    fp8_output: bool = False,
+    fp8_grad: bool = False,
+    preferred_element_type: Any = None,
+    precision: Any = None,
+) -> jax.Array:
+    """FP8 ``lax.dot_general`` observing amaxes into ``meta``'s cotangent (see module doc).
+
+    Same arguments as :func:`dot_general_chained`; returns only the output. Every call with the
+    same ``meta`` object inside one traced function joins one max-combining chain.
+    """
+    trace = jex_core.get_opaque_trace_state(convention="fp8kit")
+    previous = _CHAINS.get(meta) if isinstance(meta, Fp8Meta) else None
+    head = previous[1] if previous is not None and previous[0] == trace else meta
+    out, meta_out = dot_general_chained(
+        lhs,
+        rhs,
+        dimension_numbers,
+        head,
+        bias=bias,
+        gemm=gemm,
+        fp8_output=fp8_output,
+        fp8_grad=fp8_grad,
+        preferred_element_type=preferred_element_type,
+        precision=precision,
+    )
+    _CHAINS[meta] = (trace, meta_out)
+    return out

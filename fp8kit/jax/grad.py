@@ -1,0 +1,82 @@
+"""``fp8kit.jax.value_and_grad``: loss, parameter gradients and FP8 observations, kept apart.
+
+``jax.grad`` over a pytree that contains :class:`Fp8Meta` nodes returns, at those nodes, the
+observations the FP8 GEMMs made (see :mod:`fp8kit.jax.dot`). This wrapper splits them off, so
+the gradients handed to an optimizer contain no FP8 leaf at all: FP8 state never reaches optax,
+gradient clipping, weight decay or a gradient norm.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from fp8kit.jax.meta import Fp8Meta, is_meta, observations_of
+
+__all__ = ["split_grads", "value_and_grad"]
+
+
+def _drop_empty(tree: Any) -> Any:
+    """Remove dict entries that hold nothing (None or empty mappings), recursively."""
+    if isinstance(tree, Mapping) and not hasattr(tree, "_fields"):
+        kept = {}
+        for key, value in tree.items():
+            value = _drop_empty(value)
+            if value is None or (isinstance(value, Mapping) and len(value) == 0):
+                continue
+            kept[key] = value
+        if isinstance(tree, dict):
+            return kept
+        try:
+            return type(tree)(kept)  # FrozenDict and friends
+        except TypeError:
+            return kept
+    return tree
+
+
+def split_grads(grads: Any) -> tuple[Any, Any]:
+    """Split a gradient pytree into (parameter gradients, observations).
+
+    Every :class:`Fp8Meta` cotangent becomes an :class:`fp8kit.jax.Observations` in the second
+    tree and disappears from the first (dict entries left empty are removed, other containers
+    keep a None). Both trees keep the paths of the original, so ``update(variables, obs)`` and
+    ``optax`` on ``grads["params"]`` line up.
+    """
+    params = jax.tree_util.tree_map(
+        lambda x: None if isinstance(x, Fp8Meta) else x, grads, is_leaf=is_meta
+    )
+    obs = jax.tree_util.tree_map(
+        lambda x: observations_of(x) if isinstance(x, Fp8Meta) else None, grads, is_leaf=is_meta
+    )
+    return _drop_empty(params), _drop_empty(obs)
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any, Any]]:
+    """Like ``jax.value_and_grad``, returning ``(value, grads, observations)``.
+
+    Args:
+        fun: the loss; the arguments in ``argnums`` may contain FP8 meta anywhere (e.g. a Flax
+            variable dict with an ``"fp8_meta"`` collection, or a ``(params, meta)`` tuple).
+        argnums, has_aux: as for ``jax.value_and_grad``.
+
+    Returns:
+        A function returning ``(value, grads, observations)``: ``value`` is ``loss`` or
+        ``(loss, aux)``; ``grads`` has no FP8 leaves; ``observations`` mirrors the differentiated
+        arguments with an ``Observations`` at every meta, ready for :func:`fp8kit.jax.update`.
+    """
+    inner = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+        value, grads = inner(*args, **kwargs)
+        params, obs = split_grads(grads)
+        return value, params, obs
+
+    return wrapped

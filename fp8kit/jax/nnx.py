@@ -1,0 +1,165 @@
+"""Flax NNX FP8 layer: :class:`Linear`, with its state in an :class:`Fp8MetaVariable`.
+
+``Fp8MetaVariable`` is its own variable type (not an ``nnx.Param``), so ``nnx.Optimizer(model,
+tx, wrt=nnx.Param)`` and anything else filtered on ``nnx.Param`` never touches FP8 state. Take
+gradients with :func:`value_and_grad` (parameter gradients and observations come back apart) and
+apply the observations in place with :func:`update`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.linen.dtypes import promote_dtype
+from jax import lax
+
+from fp8kit.jax.autocast import UNSET, resolve_defaults
+from fp8kit.jax.dot import dot_general_chained
+from fp8kit.jax.grad import split_grads
+from fp8kit.jax.meta import Fp8Meta, init_meta
+from fp8kit.jax.updates import update as _update_tree
+
+__all__ = ["Fp8MetaVariable", "Linear", "update", "value_and_grad"]
+
+
+_DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
+_DEFAULT_BIAS_INIT = nnx.initializers.zeros_init()
+
+
+class Fp8MetaVariable(nnx.Variable):
+    """Holds one module's :class:`fp8kit.jax.Fp8Meta`; deliberately not an ``nnx.Param``."""
+
+
+class Linear(nnx.Module):
+    """FP8 drop-in for ``flax.nnx.Linear``: ``y = x @ kernel + bias``.
+
+    Args:
+        in_features, out_features, use_bias, dtype, param_dtype, precision, kernel_init,
+            bias_init, rngs: as ``flax.nnx.Linear``.
+        recipe: DelayedScaling / Float8CurrentScaling, None for high precision, or UNSET to
+            take the :func:`fp8kit.jax.autocast` active at construction (high precision outside).
+        amax_reduction_axes: mesh axes for the amax all-reduce under ``shard_map``.
+        fp8_output / fp8_grad: also pass the output / input gradient through FP8.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        use_bias: bool = True,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        precision: Any = None,
+        kernel_init: Callable[..., Any] = _DEFAULT_KERNEL_INIT,
+        bias_init: Callable[..., Any] = _DEFAULT_BIAS_INIT,
+        recipe: Any = UNSET,
+        amax_reduction_axes: Any = UNSET,
+        fp8_output: bool = False,
+        fp8_grad: bool = False,
+        rngs: nnx.Rngs,
+    ) -> None:
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        recipe, axes = resolve_defaults(recipe, amax_reduction_axes)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.dtype = dtype
+        self.precision = precision
+        self.fp8_output = fp8_output
+        self.fp8_grad = fp8_grad
+        shape = (in_features, out_features)
+        self.kernel = nnx.Param(kernel_init(rngs.params(), shape, param_dtype))
+        self.bias = (
+            nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias else None
+        )
+        enabled = recipe is not UNSET and recipe is not None
+        self.fp8_meta: Fp8MetaVariable | None = (
+            Fp8MetaVariable(
+                init_meta(1, recipe, amax_reduction_axes=None if axes is UNSET else axes)
+            )
+            if enabled
+            else None
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x`` ``(..., in_features)`` -> ``(..., out_features)``."""
+        kernel = self.kernel[...]
+        bias = None if self.bias is None else self.bias[...]
+        x, kernel, bias = promote_dtype(x, kernel, bias, dtype=self.dtype)
+        dims = (((x.ndim - 1,), (0,)), ((), ()))
+        if self.fp8_meta is None:
+            y = lax.dot_general(x, kernel, dims, precision=self.precision)
+            return y if bias is None else y + bias
+        meta = self.fp8_meta.get_value()
+        y, meta_out = dot_general_chained(
+            x,
+            kernel,
+            dims,
+            meta,
+            bias=bias,
+            fp8_output=self.fp8_output,
+            fp8_grad=self.fp8_grad,
+            preferred_element_type=jnp.result_type(x, kernel),
+            precision=self.precision,
+        )
+        # The next call of this layer continues the chain, so reuse combines amaxes with max.
+        self.fp8_meta.set_value(meta_out)
+        return y
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any, Any]]:
+    """``nnx.value_and_grad`` over ``nnx.Param`` *and* FP8 meta, returned apart.
+
+    Returns a function giving ``(value, grads, observations)``: ``grads`` is an ``nnx.State`` of
+    the ``nnx.Param`` gradients only (what ``nnx.Optimizer(..., wrt=nnx.Param).update`` takes),
+    ``observations`` the FP8 observations for :func:`update`.
+    """
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    diff = tuple(nnx.DiffState(n, nnx.Any(nnx.Param, Fp8MetaVariable)) for n in nums)
+    inner = nnx.value_and_grad(
+        fun, argnums=diff[0] if isinstance(argnums, int) else diff, has_aux=has_aux
+    )
+
+    def split(state: Any) -> tuple[Any, Any]:
+        params, metas = nnx.split_state(state, nnx.Param, Fp8MetaVariable)
+        _, obs = split_grads({path: var.get_value() for path, var in nnx.to_flat_state(metas)})
+        return params, obs
+
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+        value, grads = inner(*args, **kwargs)
+        if isinstance(argnums, int):
+            params, obs = split(grads)
+        else:
+            pairs = [split(g) for g in grads]
+            params, obs = tuple(p for p, _ in pairs), tuple(o for _, o in pairs)
+        return value, params, obs
+
+    return wrapped
+
+
+def _metas(model: nnx.Module) -> dict[Any, Fp8Meta]:
+    state = nnx.state(model, Fp8MetaVariable)
+    return {path: var.get_value() for path, var in nnx.to_flat_state(state)}
+
+
+def update(model: nnx.Module, observations: Any, *, check_chains: bool = True) -> None:
+    """Apply one update event to every :class:`Fp8MetaVariable` of ``model``, in place.
+
+    ``observations`` is the third result of :func:`value_and_grad` (keyed by variable path).
+    """
+    metas = _metas(model)
+    new = _update_tree(metas, observations, check_chains=check_chains)
+    state = nnx.state(model, Fp8MetaVariable)
+    for path, var in nnx.to_flat_state(state):
+        var.set_value(new[path])
+    nnx.update(model, state)

@@ -1,0 +1,354 @@
+"""The observing FP8 dot_general: numerics against numpy references, observations combined with
+max under reuse, scan, remat; summed observations refused."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8kit.jax as f8
+from fp8kit.formats import E4M3, E5M2
+from tests.jax.helpers import qdq_reference, random_fp8_friendly
+
+DIMS = (((1,), (0,)), ((), ()))
+F32 = np.float32
+
+
+def close(actual, desired, rtol: float = 2e-6) -> None:
+    """float32 accumulation vs float64: relative, plus an absolute floor for cancellation."""
+    desired = np.asarray(desired, np.float64)
+    atol = 1e-5 * float(np.abs(desired).max())
+    np.testing.assert_allclose(np.asarray(actual, np.float64), desired, rtol=rtol, atol=atol)
+
+
+def _meta(recipe, fwd_scales=(1.0, 1.0, 1.0), bwd_scales=(1.0, 1.0), num_gemms=1, counts=0.0):
+    meta = f8.init_meta(num_gemms, recipe)
+    fs = np.tile(np.asarray(fwd_scales, F32), num_gemms)
+    bs = np.tile(np.asarray(bwd_scales, F32), num_gemms)
+    return replace(
+        meta,
+        forward=replace(
+            meta.forward,
+            scale=jnp.asarray(fs),
+            update_count=jnp.full(fs.shape, counts, jnp.float32),
+        ),
+        backward=replace(
+            meta.backward,
+            scale=jnp.asarray(bs),
+            update_count=jnp.full(bs.shape, counts, jnp.float32),
+        ),
+    )
+
+
+def _grads(meta, x, w, g, **kw):
+    """(y, dx, dw, observations) of loss = sum(y * g), so dy = g exactly."""
+
+    def loss(x, w, meta):
+        y = f8.dot_general(x, w, DIMS, meta, **kw)
+        return jnp.sum(y.astype(jnp.float32) * g), y
+
+    (_, y), (dx, dw, dmeta) = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, meta)
+    return y, dx, dw, f8.observations_of(dmeta)
+
+
+@pytest.fixture
+def operands(rng):
+    x = random_fp8_friendly(rng, (12, 24))
+    w = random_fp8_friendly(rng, (24, 8), 0.1)
+    g = random_fp8_friendly(rng, (12, 8), 1e-3)
+    return x, w, g
+
+
+def test_forward_and_backward_match_numpy_reference(operands) -> None:
+    x, w, g = operands
+    recipe = f8.DelayedScaling(amax_history_len=4)
+    sx, sw, sg = 448 / 7.0, 448 / 0.9, 57344 / 0.011
+    meta = _meta(recipe, (sx, sw, 1.0), (sg, 1.0))
+    y, dx, dw, obs = jax.jit(_grads)(meta, x, w, g)
+    xq, ax = qdq_reference(x, F32(sx), E4M3)
+    wq, aw = qdq_reference(w, F32(sw), E4M3)
+    gq, ag = qdq_reference(g, F32(sg), E5M2)
+    close(y, xq @ wq)
+    close(dx, gq @ wq.T)
+    close(dw, xq.T @ gq)
+    np.testing.assert_array_equal(np.asarray(obs.forward), [ax, aw, 0.0])
+    np.testing.assert_array_equal(np.asarray(obs.backward), [ag, 0.0])
+    assert float(obs.chains) == 1.0
+    # FP8 actually happened: the result differs from the float32 product
+    assert np.abs(np.asarray(y) - x.astype(np.float64) @ w).max() > 1e-4
+
+
+@pytest.mark.parametrize(
+    "override", [(True, False, False), (False, True, False), (False, False, True), (True,) * 3]
+)
+def test_override_linear_precision(operands, override) -> None:
+    x, w, g = operands
+    recipe = f8.DelayedScaling(amax_history_len=2, override_linear_precision=override)
+    meta = _meta(recipe, (8.0, 64.0, 1.0), (2.0**14, 1.0))
+    y, dx, dw, obs = _grads(meta, x, w, g)
+    xq = qdq_reference(x, 8.0, E4M3)[0]
+    wq = qdq_reference(w, 64.0, E4M3)[0]
+    gq = qdq_reference(g, 2.0**14, E5M2)[0]
+    x64, w64, g64 = (a.astype(np.float64) for a in (x, w, g))
+    fprop, dgrad, wgrad = override
+    close(y, (x64 @ w64) if fprop else xq @ wq)
+    close(dx, (g64 @ w64.T) if dgrad else gq @ wq.T)
+    close(dw, (x64.T @ g64) if wgrad else xq.T @ gq)
+    x_needed = not (fprop and wgrad)
+    w_needed = not (fprop and dgrad)
+    g_needed = not (dgrad and wgrad)
+    assert (float(obs.forward[0]) > 0) == x_needed
+    assert (float(obs.forward[1]) > 0) == w_needed
+    assert (float(obs.backward[0]) > 0) == g_needed
+
+
+def test_fp8_output_and_grad_with_bias(operands, rng) -> None:
+    x, w, g = operands
+    b = random_fp8_friendly(rng, (8,), 0.1)
+    recipe = f8.DelayedScaling(amax_history_len=2)
+    so, sgi = 64.0, 2.0**10
+    meta = _meta(recipe, (8.0, 64.0, so), (2.0**14, sgi))
+
+    def run(fp8_io):
+        def loss(x, w, b, meta):
+            y = f8.dot_general(x, w, DIMS, meta, bias=b, fp8_output=fp8_io, fp8_grad=fp8_io)
+            return jnp.sum(y * g), y
+
+        grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+        (_, y), (dx, dw, db, dm) = jax.jit(grad)(x, w, b, meta)
+        return y, dx, dw, db, f8.observations_of(dm)
+
+    y_pre, dx_pre, dw0, db0, _ = run(False)
+    y, dx, dw, db, obs = run(True)
+    xq = qdq_reference(x, 8.0, E4M3)[0]
+    wq = qdq_reference(w, 64.0, E4M3)[0]
+    close(y_pre, xq @ wq + b.astype(np.float64))
+    # the output and the input gradient go through FP8 exactly as quantize() would do it
+    want_y, ay = qdq_reference(np.asarray(y_pre), so, E4M3)
+    np.testing.assert_array_equal(np.asarray(y), want_y.astype(F32))
+    want_dx, adx = qdq_reference(np.asarray(dx_pre), sgi, E5M2)
+    np.testing.assert_array_equal(np.asarray(dx), want_dx.astype(F32))
+    assert not np.array_equal(np.asarray(y), np.asarray(y_pre))
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw0))  # straight-through
+    np.testing.assert_allclose(np.asarray(db), g.astype(np.float64).sum(0), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(db), np.asarray(db0))
+    assert float(obs.forward[2]) == ay
+    assert float(obs.backward[0]) == np.abs(g).max()
+    assert float(obs.backward[1]) == adx
+
+
+def test_first_step_current_scaling(operands) -> None:
+    x, w, g = operands
+    recipe = f8.DelayedScaling(amax_history_len=2, first_step_scaling="current")
+    fresh = _meta(recipe, (1.0, 1.0, 1.0), (1.0, 1.0), counts=0.0)
+    y, _, dw, obs = _grads(fresh, x, w, g)
+    ax, aw, ag = (float(np.abs(a).max()) for a in (x, w, g))
+    xq = qdq_reference(x, F32(448) / F32(ax), E4M3)[0]
+    wq = qdq_reference(w, F32(448) / F32(aw), E4M3)[0]
+    gq = qdq_reference(g, F32(57344) / F32(ag), E5M2)[0]
+    close(y, xq @ wq)
+    close(dw, xq.T @ gq)
+    np.testing.assert_array_equal(np.asarray(obs.forward), [ax, aw, 0])  # still recorded
+    warm = _meta(recipe, (8.0, 64.0, 1.0), (2.0**14, 1.0), counts=1.0)
+    y2 = _grads(warm, x, w, g)[0]
+    xq2, wq2 = qdq_reference(x, 8.0, E4M3)[0], qdq_reference(w, 64.0, E4M3)[0]
+    close(y2, xq2 @ wq2)
+
+
+def test_current_scaling_recipe(operands) -> None:
+    x, w, g = operands
+    meta = f8.init_meta(1, f8.Float8CurrentScaling())
+    y, dx, _, obs = _grads(meta, x, w, g)
+    ax, aw, ag = (float(np.abs(a).max()) for a in (x, w, g))
+    xq = qdq_reference(x, F32(448) / F32(ax), E4M3)[0]
+    wq = qdq_reference(w, F32(448) / F32(aw), E4M3)[0]
+    gq = qdq_reference(g, F32(57344) / F32(ag), E5M2)[0]
+    close(y, xq @ wq)
+    close(dx, gq @ wq.T)
+    assert not np.asarray(obs.forward).any() and not np.asarray(obs.backward).any()
+
+
+def test_low_precision_dtypes(operands) -> None:
+    x, w, g = operands
+    meta = _meta(f8.DelayedScaling(amax_history_len=2), (8.0, 64.0, 1), (2.0**14, 1))
+    xb = jnp.asarray(x, jnp.bfloat16)
+    y, dx, dw, obs = _grads(meta, xb, w, g, preferred_element_type=jnp.bfloat16)
+    assert y.dtype == jnp.bfloat16 and dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    assert float(obs.forward[0]) == float(jnp.max(jnp.abs(xb.astype(jnp.float32))))
+
+
+def test_second_gemm_uses_its_own_slots(operands) -> None:
+    x, w, g = operands
+    meta = f8.init_meta(2, f8.DelayedScaling(amax_history_len=2))
+    _, _, _, obs = _grads(meta, x, w, g, gemm=1)
+    f, b = np.asarray(obs.forward), np.asarray(obs.backward)
+    assert not f[:3].any() and f[3] == np.abs(x).max() and f[4] == np.abs(w).max()
+    assert not b[:2].any() and b[2] == np.abs(g).max()
+
+
+def test_reuse_records_the_max_not_the_sum(operands) -> None:
+    x, w, g = operands
+    meta = f8.init_meta(1, f8.DelayedScaling(amax_history_len=2))
+
+    def loss(w, meta):
+        a = f8.dot_general(x, w, DIMS, meta)
+        b = f8.dot_general(x * 4, w, DIMS, meta)
+        c = f8.dot_general(x * 2, w, DIMS, meta)
+        return jnp.sum(a * g) + jnp.sum(b * g * 3) + jnp.sum(c * g * 2)
+
+    _, _, obs = f8.value_and_grad(loss, argnums=(0, 1))(w, meta)
+    o = obs[1]
+    assert float(o.forward[0]) == 4 * np.abs(x).max()
+    assert float(o.forward[1]) == np.abs(w).max()
+    assert float(o.backward[0]) == pytest.approx(3 * np.abs(g).max(), rel=1e-7)
+    assert float(o.chains) == 1.0
+
+    # explicit threading gives the same
+    def loss2(w, meta):
+        a, m = f8.dot_general_chained(x, w, DIMS, meta)
+        b, m = f8.dot_general_chained(x * 4, w, DIMS, m)
+        c, _ = f8.dot_general_chained(x * 2, w, DIMS, m)
+        return jnp.sum(a * g) + jnp.sum(b * g * 3) + jnp.sum(c * g * 2)
+
+    _, _, obs2 = jax.jit(f8.value_and_grad(loss2, argnums=(0, 1)))(w, meta)
+    for a, b in zip(jax.tree.leaves(obs), jax.tree.leaves(obs2), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_summed_observations_are_refused(operands) -> None:
+    x, w, g = operands
+    meta = f8.init_meta(1, f8.DelayedScaling(amax_history_len=2))
+
+    def loss(meta, x):
+        return jnp.sum(f8.dot_general(x, w, DIMS, meta) * g)
+
+    # the classic microbatch mistake: adding two gradients that include the meta cotangent
+    g1 = jax.grad(loss)(meta, x)
+    g2 = jax.grad(loss)(meta, 2 * x)
+    summed = jax.tree.map(jnp.add, g1, g2)
+    assert float(f8.observations_of(summed).chains) == 2.0
+    with pytest.raises(f8.SummedObservationsError, match="summed by JAX over 2"):
+        f8.update(meta, summed)
+    with pytest.raises(Exception, match="summed by JAX over 2"):
+        jax.block_until_ready(jax.jit(f8.update)(meta, summed))
+    good = f8.combine_observations(g1, g2)
+    out = f8.update(meta, good)
+    assert float(out.forward.amax_history[-1, 0]) == 2 * np.abs(x).max()
+
+
+def test_scan_with_per_layer_meta_equals_unrolled(rng) -> None:
+    n = 3
+    ws = jnp.asarray(random_fp8_friendly(rng, (n, 16, 16), 0.2))
+    x = jnp.asarray(random_fp8_friendly(rng, (4, 16)))
+    recipe = f8.DelayedScaling(amax_history_len=3)
+    metas = jax.tree.map(lambda *a: jnp.stack(a), *[f8.init_meta(1, recipe)] * n)
+
+    def scanned(ws, metas):
+        def body(h, wm):
+            w, m = wm
+            return jnp.tanh(f8.dot_general(h, w, DIMS, m)), None
+
+        h, _ = jax.lax.scan(body, x, (ws, metas))
+        return jnp.sum(h**2)
+
+    def unrolled(ws, metas):
+        h = x
+        for i in range(n):
+            m = jax.tree.map(lambda a, i=i: a[i], metas)
+            h = jnp.tanh(f8.dot_general(h, ws[i], DIMS, m))
+        return jnp.sum(h**2)
+
+    a = jax.jit(f8.value_and_grad(scanned, argnums=(0, 1)))(ws, metas)
+    b = jax.jit(f8.value_and_grad(unrolled, argnums=(0, 1)))(ws, metas)
+    for p, q in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=1e-6, atol=1e-7)
+    obs = a[2][1]
+    assert obs.forward.shape == (n, 3) and np.asarray(obs.chains).tolist() == [1, 1, 1]
+    np.testing.assert_array_equal(np.asarray(obs.forward), np.asarray(b[2][1].forward))
+    updated = f8.update(metas, a[2][1])
+    assert updated.forward.amax_history.shape == (n, 3, 3)
+    np.testing.assert_array_equal(updated.forward.amax_history[:, -1], obs.forward)
+
+
+def test_weight_shared_scan_carries_the_chain(rng) -> None:
+    w = jnp.asarray(random_fp8_friendly(rng, (8, 8), 0.3))
+    xs = jnp.asarray(random_fp8_friendly(rng, (5, 2, 8)))
+    meta = f8.init_meta(1, f8.DelayedScaling(amax_history_len=2))
+
+    def carried(w, meta):
+        def body(carry, x):
+            h, m = carry
+            y, m = f8.dot_general_chained(x + h, w, DIMS, m)
+            return (jnp.tanh(y), m), None
+
+        (h, _), _ = jax.lax.scan(body, (jnp.zeros((2, 8)), meta), xs)
+        return jnp.sum(h)
+
+    _, _, obs = jax.jit(f8.value_and_grad(carried, argnums=(0, 1)))(w, meta)
+    o = obs[1]
+    assert float(o.chains) == 1.0
+    # the largest step input is at least the largest raw input row block
+    assert float(o.forward[0]) >= float(jnp.max(jnp.abs(xs))) - 1.0
+
+    def closed_over(w, meta):
+        def body(h, x):
+            return jnp.tanh(f8.dot_general(x + h, w, DIMS, meta)), None
+
+        h, _ = jax.lax.scan(body, jnp.zeros((2, 8)), xs)
+        return jnp.sum(h)
+
+    _, _, bad = jax.jit(f8.value_and_grad(closed_over, argnums=(0, 1)))(w, meta)
+    assert float(bad[1].chains) == 5.0  # JAX summed five iterations: refused by update
+    with pytest.raises(f8.SummedObservationsError):
+        f8.update(meta, bad[1])
+
+
+def test_checkpoint_does_not_double_count(operands) -> None:
+    x, w, g = operands
+    meta = f8.init_meta(1, f8.DelayedScaling(amax_history_len=2))
+
+    def block(w, meta, x):
+        h = jnp.tanh(f8.dot_general(x, w, DIMS, meta))
+        return h + f8.dot_general(x * 2, w, DIMS, meta)  # two calls inside the remat region
+
+    def loss(w, meta, remat):
+        fn = jax.checkpoint(block) if remat else block
+        return jnp.sum(fn(w, meta, x) * g)
+
+    plain = jax.jit(f8.value_and_grad(lambda w, m: loss(w, m, False), argnums=(0, 1)))(w, meta)
+    remat = jax.jit(f8.value_and_grad(lambda w, m: loss(w, m, True), argnums=(0, 1)))(w, meta)
+    # observations: identical (a recomputed forward is not observed twice)
+    for p, q in zip(jax.tree.leaves(plain[2]), jax.tree.leaves(remat[2]), strict=True):
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(q))
+    assert float(remat[2][1].chains) == 1.0
+    assert float(remat[2][1].forward[0]) == 2 * np.abs(x).max()
+    assert float(remat[2][1].backward[0]) == np.abs(g).max()  # max(|g (1 - tanh^2)|, |g|)
+    # gradients: equal up to XLA's float32 scheduling of the recomputed program
+    for p, q in zip(jax.tree.leaves(plain[1]), jax.tree.leaves(remat[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=1e-5, atol=1e-8)
+
+
+def test_bad_arguments_are_reported(operands) -> None:
+    x, w, _ = operands
+    meta = f8.init_meta(1)
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), meta)
+    with pytest.raises(ValueError, match="no leading axes"):
+        f8.dot_general(x, w, DIMS, stacked)
+    with pytest.raises(ValueError, match="gemm must be in"):
+        f8.dot_general(x, w, DIMS, meta, gemm=1)
+    with pytest.raises(TypeError, match="meta must be"):
+        f8.dot_general(x, w, DIMS, {"not": "a meta"})
+    with pytest.raises(ValueError, match="dimension_numbers"):
+        f8.dot_general(x, w, "rows", meta)
+    with pytest.raises(TypeError, match="fp8_output must be a bool"):
+        f8.dot_general(x, w, DIMS, meta, fp8_output=1)
+    with pytest.raises(TypeError, match="lhs must have"):
+        f8.dot_general(x.astype(np.int32), w, DIMS, meta)
+    with pytest.raises(ValueError, match="num_gemms"):
+        f8.init_meta(0)
+    with pytest.raises(TypeError, match="recipe must be"):
+        f8.init_meta(1, "hybrid")

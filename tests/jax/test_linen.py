@@ -1,0 +1,389 @@
+"""Flax Linen Dense / DenseGeneral: drop-in behaviour, the "fp8_meta" collection, the seed 003
+example, reuse, nn.scan, remat, jit, optimizer isolation, microbatches, checkpoints, inference."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import serialization
+
+import fp8kit.jax as f8
+from fp8kit.jax.linen import Dense, DenseGeneral
+from tests.jax.helpers import random_fp8_friendly
+
+RECIPE = f8.DelayedScaling(amax_history_len=8)
+
+
+def leaves_equal(a, b) -> None:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def init(model, x, recipe=RECIPE, seed: int = 0):
+    """``model.init`` under ``autocast(recipe)``, jitted (one compile instead of one per op)."""
+    with f8.autocast(recipe=recipe):
+        return jax.jit(model.init)(jax.random.key(seed), x)
+
+
+def metas(variables) -> list[f8.Fp8Meta]:
+    return jax.tree.leaves(variables["fp8_meta"], is_leaf=lambda x: isinstance(x, f8.Fp8Meta))
+
+
+@pytest.mark.slow  # eager, as the seed writes it: one compilation per primitive
+def test_seed_003_example_as_written_plus_the_update() -> None:
+    recipe = f8.DelayedScaling(margin=0, amax_history_len=1024, amax_compute_algo="max")
+    with f8.autocast(enabled=True, recipe=recipe):
+        # Initialize layer and data
+        layer = DenseGeneral(features=64)
+        key = jax.random.PRNGKey(0)
+        x = jax.random.normal(key, (4, 16, 32), dtype=jnp.bfloat16)
+        var_collect = layer.init(key, x)
+
+        # Forward and backward pass
+        def loss_fn(var_collect):
+            output = layer.apply(var_collect, x)
+            return output.sum()
+
+        loss, grads = jax.value_and_grad(loss_fn)(var_collect)
+    var_collect = f8.update(var_collect, grads)  # the one added step
+
+    meta = var_collect["fp8_meta"]["meta"]
+    ax = float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+    aw = float(jnp.max(jnp.abs(var_collect["params"]["kernel"])))
+    np.testing.assert_array_equal(meta.forward.amax_history[-1], [ax, aw, 0])
+    np.testing.assert_array_equal(meta.backward.amax_history[-1], [1.0, 0])  # d(sum)/dy = 1
+    want = np.float32(448) / np.array([ax, aw], np.float32)
+    np.testing.assert_array_equal(meta.forward.scale, [want[0], want[1], 1.0])
+    assert float(meta.backward.scale[0]) == 57344.0 and float(meta.step) == 1.0
+    assert set(grads) == {"params", "fp8_meta"}
+    assert grads["params"]["kernel"].shape == (32, 64)
+    assert np.isfinite(float(loss))
+
+
+def test_params_and_high_precision_path_match_flax() -> None:
+    key = jax.random.key(3)
+    x = jax.random.normal(key, (2, 3, 6, 7))
+    general = {"features": (4, 5), "axis": (1, -1), "batch_dims": (0,)}
+    for ours, theirs in (
+        (Dense(5), nn.Dense(5)),
+        (DenseGeneral(**general), nn.DenseGeneral(**general)),
+    ):
+        v_ours = ours.init(key, x)
+        v_theirs = theirs.init(key, x)
+        assert "fp8_meta" not in v_ours  # no recipe, no autocast: plain high precision
+        leaves_equal(v_ours, v_theirs)
+        np.testing.assert_array_equal(
+            np.asarray(ours.apply(v_ours, x)), np.asarray(theirs.apply(v_theirs, x))
+        )
+
+
+def test_dense_general_fp8_matches_the_functional_op() -> None:
+    key = jax.random.key(4)
+    x = jax.random.normal(key, (3, 4, 6, 5))
+    layer = DenseGeneral((2, 3), axis=(1, -1), batch_dims=(0,), recipe=RECIPE)
+    v = layer.init(key, x)
+    meta = metas(v)[0]
+    kernel, bias = v["params"]["kernel"], v["params"]["bias"]
+    assert kernel.shape == (3, 4, 5, 2, 3) and bias.shape == (3, 2, 3)
+
+    def loss(v):
+        return jnp.sum(layer.apply(v, x) ** 2)
+
+    def reference(kernel, bias, meta):
+        dims = (((1, 3), (1, 2)), ((0,), (0,)))
+        y = f8.dot_general(x, kernel, dims, meta, bias=bias.reshape(3, 1, 2, 3))
+        return jnp.sum(y**2)
+
+    _, g, obs = jax.jit(f8.value_and_grad(loss))(v)
+    _, g_ref, obs_ref = jax.jit(f8.value_and_grad(reference, argnums=(0, 1, 2)))(kernel, bias, meta)
+    np.testing.assert_array_equal(np.asarray(g["params"]["kernel"]), np.asarray(g_ref[0]))
+    np.testing.assert_array_equal(np.asarray(g["params"]["bias"]), np.asarray(g_ref[1]))
+    leaves_equal(obs["fp8_meta"]["meta"], obs_ref[2])
+    assert float(obs_ref[2].forward[0]) == float(jnp.max(jnp.abs(x)))
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return Dense(8)(x)
+
+
+class _Reused(nn.Module):
+    """One Dense called twice, and a compact parent whose Dense is rebuilt on each call."""
+
+    @nn.compact
+    def __call__(self, x):
+        dense = Dense(8, name="shared")
+        block = _Block()
+        return dense(x) + dense(3 * x) + block(x) + block(2 * x)
+
+
+def test_a_layer_used_twice_records_the_max_not_the_sum() -> None:
+    model = _Reused()
+    x = jnp.asarray(random_fp8_friendly(np.random.default_rng(0), (4, 8)))
+    v = init(model, x)
+    (_, grads, obs) = jax.jit(f8.value_and_grad(lambda v: jnp.sum(model.apply(v, x) * 2)))(v)
+
+    def amax(a):
+        return float(jnp.max(jnp.abs(a)))
+
+    shared = obs["fp8_meta"]["shared"]["meta"]
+    block = obs["fp8_meta"]["_Block_0"]["Dense_0"]["meta"]
+    assert float(shared.forward[0]) == amax(3 * x) and float(block.forward[0]) == amax(2 * x)
+    assert float(shared.backward[0]) == 2.0 and float(block.backward[0]) == 2.0  # not 4
+    assert float(shared.chains) == 1.0 and float(block.chains) == 1.0
+    assert "fp8_meta" not in grads
+    # several apply calls on the same variables inside one loss chain as well
+    d = Dense(8, recipe=RECIPE)
+    vd = jax.jit(d.init)(jax.random.key(1), x)
+    two_applies = f8.value_and_grad(lambda v: jnp.sum(d.apply(v, x)) + jnp.sum(d.apply(v, 5 * x)))
+    _, _, o = jax.jit(two_applies)(vd)
+    assert float(o["fp8_meta"]["meta"].forward[0]) == amax(5 * x)
+    assert float(o["fp8_meta"]["meta"].chains) == 1.0
+
+
+class _Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return jnp.tanh(Dense(16, name="dense")(x)), None
+
+
+class _Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(
+            nn.remat(_Layer),  # remat'ed layers: the recomputed forward is not observed twice
+            variable_axes={"params": 0, "fp8_meta": 0},
+            split_rngs={"params": True},
+            length=2,
+        )
+        return stack(name="stack")(x, None)[0]
+
+
+class _Unrolled(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = _Layer(name=f"layer{i}")(x, None)[0]
+        return x
+
+
+@pytest.mark.slow
+def test_scan_over_layers_equals_unrolled_with_per_layer_meta() -> None:
+    x = jnp.asarray(random_fp8_friendly(np.random.default_rng(1), (4, 16)))
+    vs = init(_Scanned(), x)
+    # the unrolled model gets the same parameters and meta, layer by layer
+    vu = {
+        "params": {
+            f"layer{i}": jax.tree.map(lambda a, i=i: np.asarray(a)[i], vs["params"]["stack"])
+            for i in range(2)
+        },
+        "fp8_meta": {
+            f"layer{i}": jax.tree.map(lambda a, i=i: np.asarray(a)[i], vs["fp8_meta"]["stack"])
+            for i in range(2)
+        },
+    }
+
+    def step(model):
+        @jax.jit
+        def run(v):
+            loss, grads, obs = f8.value_and_grad(lambda v: jnp.sum(model.apply(v, x) ** 2))(v)
+            return loss, grads, f8.update(v, obs)
+
+        return run
+
+    ls, gs, vs2 = step(_Scanned())(vs)
+    lu, gu, vu2 = step(_Unrolled())(vu)
+    np.testing.assert_allclose(float(ls), float(lu), rtol=1e-6)
+    for i in range(2):
+        scanned_meta = jax.tree.map(lambda a, i=i: np.asarray(a)[i], vs2["fp8_meta"]["stack"])
+        leaves_equal(scanned_meta, vu2["fp8_meta"][f"layer{i}"])  # bit-identical per layer
+        np.testing.assert_allclose(
+            np.asarray(gs["params"]["stack"]["dense"]["kernel"][i]),
+            np.asarray(gu["params"][f"layer{i}"]["dense"]["kernel"]),
+            rtol=1e-5,
+            atol=1e-7,
+        )
+    hist = vs2["fp8_meta"]["stack"]["dense"]["meta"].forward.amax_history
+    assert hist.shape == (2, 8, 3) and len(set(np.asarray(hist[:, -1, 0]).tolist())) == 2
+
+
+class _MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(Dense(32)(x))
+        return Dense(4)(x)
+
+
+_STEPS: dict[str, tuple] = {}  # per optimizer, plus "data": one shared (x, y, variables)
+
+
+def _train_setup(opt: str):
+    """A small FP8 MLP and a jitted train step per optimizer, built once per test session."""
+    if opt not in _STEPS:
+        txs = {
+            "adam": optax.adam(1e-2),
+            "clip_adamw": optax.chain(
+                optax.clip_by_global_norm(1e-3), optax.adamw(1e-1, weight_decay=0.5)
+            ),
+            "sgd0": optax.sgd(0.0),
+        }
+        tx = txs[opt]
+        model = _MLP()
+        if "data" not in _STEPS:
+            rng = np.random.default_rng(2)
+            x = jnp.asarray(random_fp8_friendly(rng, (16, 8)))
+            y = jnp.asarray(rng.standard_normal((16, 4)).astype(np.float32))
+            _STEPS["data"] = (x, y, init(model, x))
+        x, y, v = _STEPS["data"]
+        traces: list[int] = []
+
+        @jax.jit
+        def train_step(v, opt_state, x, y):
+            traces.append(1)
+
+            def loss_fn(v):
+                return jnp.mean((model.apply(v, x) - y) ** 2)
+
+            loss, grads, obs = f8.value_and_grad(loss_fn)(v)
+            updates, opt_state = tx.update(grads["params"], opt_state, v["params"])
+            v = {"params": optax.apply_updates(v["params"], updates), "fp8_meta": v["fp8_meta"]}
+            return f8.update(v, obs), opt_state, loss, grads
+
+        _STEPS[opt] = (model, v, tx.init(v["params"]), x, y, train_step, traces)
+    return _STEPS[opt]
+
+
+def test_twenty_jitted_steps_compile_once_and_train() -> None:
+    _, v, opt_state, x, y, train_step, traces = _train_setup("adam")
+    n_traces = len(traces)
+    losses = []
+    for i in range(20):
+        xi = x * (1 + 0.01 * i)  # new values, same shapes
+        v, opt_state, loss, _ = train_step(v, opt_state, xi, y)
+        losses.append(float(loss))
+    assert len(traces) - n_traces <= 1 and train_step._cache_size() == 1
+    f8.check_step(v["fp8_meta"], 20)
+    assert losses[-1] < losses[0]
+    for m in metas(v):
+        assert np.count_nonzero(np.asarray(m.forward.amax_history[:, 0])) == 7  # L - 1 kept
+        assert float(m.forward.update_count[0]) == 20
+
+
+def test_optimizer_never_touches_fp8_state() -> None:
+    _, v, st_full, x, y, step_full, _ = _train_setup("clip_adamw")
+    _, _, st_zero, _, _, step_zero, _ = _train_setup("sgd0")
+    v_full, _, _, grads = step_full(v, st_full, x, y)
+    v_zero, _, _, _ = step_zero(v, st_zero, x, y)
+    leaves_equal(v_full["fp8_meta"], v_zero["fp8_meta"])  # bit-identical meta
+    assert set(grads) == {"params"}  # the optimizer only ever saw parameters
+    # no optimizer state (moments, counts) was created for any FP8 leaf
+    meta_shapes = {tuple(a.shape) for a in jax.tree.leaves(v["fp8_meta"])}
+    param_shapes = {tuple(a.shape) for a in jax.tree.leaves(v["params"])}
+    opt_shapes = {tuple(a.shape) for a in jax.tree.leaves(st_full)}
+    assert opt_shapes <= param_shapes | {()} and not (meta_shapes - {()}) & opt_shapes
+    assert not jnp.array_equal(
+        v_full["params"]["Dense_0"]["kernel"], v["params"]["Dense_0"]["kernel"]
+    )
+
+
+def test_microbatch_accumulation_equals_one_big_batch() -> None:
+    model, v, _, x, y, _, _ = _train_setup("sgd0")
+
+    def loss_fn(v, x, y):
+        return jnp.sum((model.apply(v, x) - y) ** 2)  # a sum: per-sample gradients add up
+
+    grad_fn = jax.jit(f8.value_and_grad(loss_fn))
+    _, g_big, o_big = grad_fn(v, x, y)
+    g_acc, o_acc = None, None
+    for i in range(4):
+        sl = slice(4 * i, 4 * i + 4)
+        _, g, o = grad_fn(v, x[sl], y[sl])
+        g_acc = g if g_acc is None else jax.tree.map(jnp.add, g_acc, g)
+        o_acc = o if o_acc is None else f8.combine_observations(o_acc, o)
+    leaves_equal(o_acc, o_big)  # max over microbatches == the big batch's amax, bit for bit
+    for a, b in zip(jax.tree.leaves(g_acc), jax.tree.leaves(g_big), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    leaves_equal(f8.update(v, o_acc), f8.update(v, o_big))
+
+
+def test_checkpoint_restore_resumes_bit_identically(tmp_path) -> None:
+    _, v, opt_state, x, y, train_step, _ = _train_setup("adam")
+    template_v, template_opt = v, opt_state  # a fresh model's variables, as a restore target
+    for _ in range(3):
+        v, opt_state, _, _ = train_step(v, opt_state, x, y)
+    path = tmp_path / "ckpt.msgpack"
+    path.write_bytes(serialization.to_bytes({"v": v, "opt": opt_state}))
+    a_v, a_opt = v, opt_state
+    for _ in range(3):
+        a_v, a_opt, _, _ = train_step(a_v, a_opt, x, y)
+    restored = serialization.from_bytes({"v": template_v, "opt": template_opt}, path.read_bytes())
+    b_v, b_opt = restored["v"], restored["opt"]
+    f8.check_step(b_v["fp8_meta"], 3)
+    for _ in range(3):
+        b_v, b_opt, _, _ = train_step(b_v, b_opt, x, y)
+    leaves_equal(a_v, b_v)
+    leaves_equal(a_opt, b_opt)
+    # the recipe is stored as JSON-compatible data beside the arrays (never pickle)
+    state = serialization.to_state_dict(v)
+    assert state["fp8_meta"]["Dense_0"]["meta"]["recipe"]["amax_history_len"] == 8
+    # a checkpoint with another history length is resized with a warning
+    small = init(_MLP(), x, f8.DelayedScaling(amax_history_len=4))
+    with pytest.warns(UserWarning, match="resizing"), pytest.warns(UserWarning, match="is kept"):
+        resized = serialization.from_state_dict(small, state)
+    got = metas(resized)[0].forward.amax_history
+    np.testing.assert_array_equal(got[1:], metas(v)[0].forward.amax_history[-3:])
+
+
+def test_inference_leaves_meta_unchanged() -> None:
+    model, v, _, x, _, _, _ = _train_setup("sgd0")
+    before = jax.tree.map(np.asarray, v["fp8_meta"])
+    y1 = jax.jit(model.apply)(v, x)
+    y2 = model.apply(v, x)
+    leaves_equal(v["fp8_meta"], before)
+    np.testing.assert_allclose(np.asarray(y1), np.asarray(y2), rtol=1e-6)
+    # mutable fp8_meta threads the chain through the collection and returns the same state
+    y3, mutated = model.apply(v, x, mutable=["fp8_meta"])
+    leaves_equal(mutated["fp8_meta"], before)
+    np.testing.assert_array_equal(np.asarray(y3), np.asarray(y2))
+    # FP8 really ran: high precision (no fp8_meta collection) gives other numbers
+    y_hp = model.apply({"params": v["params"]}, x)
+    assert not np.allclose(np.asarray(y_hp), np.asarray(y2), rtol=1e-4)
+
+
+def test_autocast_only_sets_construction_defaults() -> None:
+    x = jnp.ones((2, 4))
+    with f8.autocast(recipe=RECIPE):
+        layer = Dense(3)
+    assert layer.recipe == RECIPE
+    v = layer.init(jax.random.key(0), x)  # outside the autocast: the field decides
+    assert metas(v)[0].recipe == RECIPE
+    with f8.autocast(enabled=False):
+        off = Dense(3)
+    assert off.recipe is None and "fp8_meta" not in off.init(jax.random.key(0), x)
+    other = f8.DelayedScaling(amax_history_len=4)
+    with pytest.raises(ValueError, match="belongs to"):
+        Dense(3, recipe=other).apply(v, x)
+    with pytest.raises(ValueError, match="FP8 disabled"):
+        off.apply(v, x)
+    with pytest.raises(ValueError, match=r"hold no .fp8_meta."):
+        layer.apply({"params": v["params"]}, x)
+    # a layer with no recipe of its own takes its state's recipe (what compact children do)
+    plain = Dense(3)
+    np.testing.assert_array_equal(np.asarray(plain.apply(v, x)), np.asarray(layer.apply(v, x)))
+    # the recipe is part of the jit cache key through the state's treedef
+    f = jax.jit(plain.apply)
+    f(v, x)
+    v_other = {"params": v["params"], "fp8_meta": f8.with_recipe(v["fp8_meta"], other)}
+    f(v_other, x)
+    assert f._cache_size() == 2
+    with pytest.raises(TypeError, match="recipe must be"):
+        Dense(3, recipe="hybrid")
+    with pytest.raises(TypeError, match="enabled must be a bool"), f8.autocast(enabled="yes"):
+        pass

@@ -1,0 +1,114 @@
+"""Flax NNX Linear: FP8 state in Fp8MetaVariable, untouched by nnx.Optimizer(wrt=nnx.Param)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import fp8kit.jax as f8
+from fp8kit.jax.nnx import Fp8MetaVariable, Linear, update, value_and_grad
+from tests.jax.helpers import random_fp8_friendly
+
+RECIPE = f8.DelayedScaling(amax_history_len=4)
+DIMS = (((1,), (0,)), ((), ()))
+
+
+class _Model(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        with f8.autocast(recipe=RECIPE):
+            self.a = Linear(8, 16, rngs=rngs)
+            self.b = Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.relu(self.a(x))
+        return self.b(h) + self.b(h * 2)  # b is used twice
+
+
+def _meta_state(model):
+    return {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, Fp8MetaVariable))}
+
+
+def test_linear_matches_the_functional_op_and_reuse_gives_max() -> None:
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(random_fp8_friendly(rng, (6, 8)))
+    model = _Model(nnx.Rngs(0))
+
+    def loss_fn(model):
+        return jnp.sum(model(x) ** 2)
+
+    loss, grads, obs = nnx.jit(value_and_grad(loss_fn))(model)
+    # the same computation through the functional core
+    metas = {k[0]: m for k, m in _meta_state(model).items()}
+
+    def ref(ka, ba, kb, bb, ma, mb):
+        h = jax.nn.relu(f8.dot_general(x, ka, DIMS, ma, bias=ba))
+        return jnp.sum(
+            (
+                f8.dot_general(h, kb, DIMS, mb, bias=bb)
+                + f8.dot_general(h * 2, kb, DIMS, mb, bias=bb)
+            )
+            ** 2
+        )
+
+    params = (model.a.kernel[...], model.a.bias[...], model.b.kernel[...], model.b.bias[...])
+    ref_loss, ref_grads, ref_obs = jax.jit(f8.value_and_grad(ref, argnums=(0, 1, 2, 3, 4, 5)))(
+        *params, metas["a"], metas["b"]
+    )
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(grads["b"]["kernel"][...]), np.asarray(ref_grads[2]), rtol=1e-5, atol=1e-6
+    )
+    got = obs[("b", "fp8_meta")]
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref_obs[5]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(got.chains) == 1.0
+    assert float(got.forward[0]) == float(jnp.max(jnp.abs(2 * jax.nn.relu(model.a(x)))))
+
+
+def test_optimizer_filtered_on_param_never_touches_meta() -> None:
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(random_fp8_friendly(rng, (6, 8)))
+    y = jnp.asarray(rng.standard_normal((6, 4)).astype(np.float32))
+    model = _Model(nnx.Rngs(1))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.5))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        loss, grads, obs = value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        before = nnx.state(model, Fp8MetaVariable)
+        optimizer.update(model, grads)  # only nnx.Param
+        after = nnx.state(model, Fp8MetaVariable)
+        update(model, obs)
+        return loss, before, after
+
+    losses = []
+    for _ in range(4):
+        loss, before, after = train_step(model, optimizer, x, y)
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    metas = _meta_state(model)
+    f8.check_step(metas, 4)
+    for meta in metas.values():
+        assert float(meta.forward.update_count[0]) == 4.0
+        assert float(meta.forward.scale[0]) != 1.0
+    # the optimizer state holds no FP8 leaf
+    opt_leaves = jax.tree.leaves(nnx.state(optimizer))
+    meta_shapes = {a.shape for a in jax.tree.leaves(metas)} - {()}
+    assert not meta_shapes & {a.shape for a in opt_leaves}
+
+
+def test_without_recipe_it_is_a_plain_linear() -> None:
+    x = jnp.ones((2, 3))
+    ours = Linear(3, 5, rngs=nnx.Rngs(0))
+    theirs = nnx.Linear(3, 5, rngs=nnx.Rngs(0))
+    assert ours.fp8_meta is None
+    np.testing.assert_array_equal(np.asarray(ours(x)), np.asarray(theirs(x)))
+    with pytest.raises(ValueError, match="in_features"):
+        Linear(0, 5, rngs=nnx.Rngs(0))

@@ -1,0 +1,212 @@
+"""Cross-framework parity: fp8kit.jax and fp8kit.torch give the same FP8 bytes and the same
+scale sequences (histories, scales, counts) for the same inputs and history."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fp8kit.jax as f8j  # noqa: E402
+import fp8kit.torch as f8t  # noqa: E402
+from fp8kit.formats import E4M3, E5M2  # noqa: E402
+from fp8kit.jax.linen import Dense  # noqa: E402
+from fp8kit.jax.scaling import update_scaling_state as jax_update  # noqa: E402
+from fp8kit.torch.scaling import update_scaling_state as torch_update  # noqa: E402
+from tests.jax.helpers import bits, edge_values, random_fp8_friendly  # noqa: E402
+
+FORMATS = [
+    (E4M3, jnp.float8_e4m3fn, torch.float8_e4m3fn),
+    (E5M2, jnp.float8_e5m2, torch.float8_e5m2),
+]
+
+
+def torch_bits(t) -> np.ndarray:
+    return t.view(torch.uint8).numpy()
+
+
+@pytest.mark.parametrize("fmt,jdt,tdt", FORMATS, ids=["e4m3", "e5m2"])
+def test_quantize_bytes_are_identical(rng, fmt, jdt, tdt) -> None:
+    x = np.concatenate(
+        [random_fp8_friendly(rng, (4000,)), random_fp8_friendly(rng, (1000,), 1e-4)]
+        + [edge_values(fmt)] * 3
+    ).astype(np.float32)
+    amax = float(np.abs(x[np.isfinite(x)]).max())
+    scales = [1.0, float(np.float32(fmt.max) / np.float32(amax)), float(rng.uniform(1e-3, 1e3))]
+    for scale in scales:
+        s = np.float32(scale)
+        qj = f8j.quantize(x, jnp.float32(s), jdt)
+        qt = f8t.quantize(torch.from_numpy(x.copy()), torch.tensor(s), tdt)
+        np.testing.assert_array_equal(bits(qj.data), torch_bits(qt.data))
+        assert np.float32(qj.scale_inv) == np.float32(qt.scale_inv.item())
+        assert float(qj.amax) == float(qt.amax)
+    for dt_j, dt_t in ((jnp.bfloat16, torch.bfloat16), (jnp.float16, torch.float16)):
+        xl = np.clip(x[:5000], -6e4, 6e4)
+        qj = f8j.quantize(jnp.asarray(xl, dt_j), 3.5, jdt)
+        qt = f8t.quantize(torch.from_numpy(xl.copy()).to(dt_t), 3.5, tdt)
+        np.testing.assert_array_equal(bits(qj.data), torch_bits(qt.data))
+        assert float(qj.amax) == float(qt.amax)
+
+
+UPDATE_RECIPES = [
+    f8j.DelayedScaling(amax_history_len=1),
+    f8j.DelayedScaling(amax_history_len=6),
+    f8j.DelayedScaling(amax_history_len=5, amax_compute_algo="most_recent", margin=3),
+    f8j.DelayedScaling(amax_history_len=4, margin=-0.5),
+    f8j.DelayedScaling(amax_history_len=4, power_2_scale=True, margin=2),
+    f8j.DelayedScaling(amax_history_len=4, interval=3, fp8_format="E5M2"),
+]
+
+
+@pytest.mark.parametrize("recipe", UPDATE_RECIPES, ids=lambda r: repr(r.amax_history_len))
+def test_update_rule_is_bit_identical(rng, recipe) -> None:
+    n = 7
+    fmax = recipe.fp8_format.forward.max
+    hj, sj, cj = jnp.zeros((recipe.amax_history_len, n)), jnp.ones(n), jnp.zeros(n)
+    ht = torch.zeros(recipe.amax_history_len, n)
+    st, ct = torch.ones(n), torch.zeros(n, dtype=torch.int64)
+    for _ in range(10):
+        a = np.exp(rng.uniform(-60, 60, n)).astype(np.float32)
+        a[rng.random(n) < 0.25] = 0
+        a[rng.random(n) < 0.05] = np.inf
+        hj, sj, cj = jax_update(hj.at[0].max(a), sj, cj, recipe, fmax)
+        ht[0] = torch.maximum(ht[0], torch.from_numpy(a))
+        ht, st, ct = torch_update(ht, st, ct, recipe, fmax)
+        np.testing.assert_array_equal(np.asarray(hj), ht.numpy())
+        np.testing.assert_array_equal(np.asarray(sj), st.numpy())
+        np.testing.assert_array_equal(np.asarray(cj), ct.numpy().astype(np.float32))
+
+
+def _torch_steps(recipe, w, b, xs, gs, fp8_output, fp8_grad):
+    lin = f8t.Linear(w.shape[1], w.shape[0], fp8_output=fp8_output, fp8_grad=fp8_grad)
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(w))
+        lin.bias.copy_(torch.from_numpy(b))
+    out = []
+    for x, g in zip(xs, gs, strict=True):
+        xt = torch.from_numpy(x).requires_grad_(True)
+        scales = (lin.fp8_meta.forward.scale.clone(), lin.fp8_meta.backward.scale.clone())
+        with f8t.autocast(recipe=recipe):
+            y = lin(xt)
+        y.backward(torch.from_numpy(g))
+        fw, bw = lin.fp8_meta.forward, lin.fp8_meta.backward
+        state = [t.detach().clone().numpy() for t in (fw.amax_history, fw.scale, bw.amax_history)]
+        state += [bw.scale.detach().clone().numpy()]
+        state += [
+            fw.update_count.numpy().astype(np.float32),
+            bw.update_count.numpy().astype(np.float32),
+        ]
+        grads = (xt.grad.numpy(), lin.weight.grad.numpy().T.copy(), lin.bias.grad.numpy())
+        lin.weight.grad = None
+        lin.bias.grad = None
+        out.append((y.detach().numpy(), grads, state, scales))
+    return out
+
+
+def _jax_steps(recipe, w, b, xs, gs, fp8_output, fp8_grad):
+    layer = Dense(w.shape[0], recipe=recipe, fp8_output=fp8_output, fp8_grad=fp8_grad)
+    v = {  # what layer.init would create, with the torch layer's parameters
+        "params": {"kernel": jnp.asarray(w.T), "bias": jnp.asarray(b)},
+        "fp8_meta": {"meta": f8j.init_meta(1, recipe)},
+    }
+
+    @jax.jit
+    def step(v, x, g):
+        def loss(v, x):
+            y = layer.apply(v, x)
+            return jnp.sum(y * g), y
+
+        (_, y), (gv, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(v, x)
+        return y, (gx, gv["params"]["kernel"], gv["params"]["bias"]), f8j.update(v, gv)
+
+    out = []
+    for x, g in zip(xs, gs, strict=True):
+        meta = v["fp8_meta"]["meta"]
+        scales = (np.asarray(meta.forward.scale), np.asarray(meta.backward.scale))
+        y, grads, v = step(v, jnp.asarray(x), jnp.asarray(g))
+        m = v["fp8_meta"]["meta"]
+        state = [
+            m.forward.amax_history,
+            m.forward.scale,
+            m.backward.amax_history,
+            m.backward.scale,
+            m.forward.update_count,
+            m.backward.update_count,
+        ]
+        out.append(
+            (np.asarray(y), tuple(map(np.asarray, grads)), list(map(np.asarray, state)), scales)
+        )
+    return out
+
+
+PARITY_RECIPES = [
+    f8j.DelayedScaling(amax_history_len=4),
+    f8j.DelayedScaling(amax_history_len=3, amax_compute_algo="most_recent", margin=1),
+    f8j.DelayedScaling(amax_history_len=4, interval=2, fp8_format="E4M3"),
+    f8j.DelayedScaling(amax_history_len=4, first_step_scaling="current"),
+]
+
+
+@pytest.mark.parametrize("recipe", PARITY_RECIPES, ids=["max", "most_recent", "interval", "first"])
+def test_linear_and_dense_give_identical_scale_sequences(rng, recipe) -> None:
+    """Random float data: histories, scales and counts bit-identical after every step; the FP8
+    bytes of x, W and dY at every step identical; outputs and gradients equal up to the float32
+    accumulation order of the two GEMM backends."""
+    steps = 6
+    w = random_fp8_friendly(rng, (24, 40), 0.05)
+    b = random_fp8_friendly(rng, (24,), 0.1)
+    xs = [random_fp8_friendly(rng, (16, 40), 2.0 ** (i - 2)) for i in range(steps)]
+    gs = [random_fp8_friendly(rng, (16, 24), 1e-3 * (i + 1)) for i in range(steps)]
+    t_out = _torch_steps(recipe, w, b, xs, gs, False, False)
+    j_out = _jax_steps(recipe, w, b, xs, gs, False, False)
+    fwd_fmt = (jnp.float8_e4m3fn, torch.float8_e4m3fn)
+    bwd_fmt = (
+        (jnp.float8_e4m3fn, torch.float8_e4m3fn)
+        if recipe.fp8_format.name == "E4M3"
+        else (jnp.float8_e5m2, torch.float8_e5m2)
+    )
+    for k, ((yt, gt, st, sct), (yj, gj, sj, scj)) in enumerate(zip(t_out, j_out, strict=True)):
+        for a, c in zip(st, sj, strict=True):
+            np.testing.assert_array_equal(c, a, err_msg=f"step {k}")
+        for a, c in zip(sct, scj, strict=True):
+            np.testing.assert_array_equal(c, a.numpy())
+        # the operands each framework quantized at this step, byte for byte
+        for arr, s, fmts in (
+            (xs[k], scj[0][0], fwd_fmt),
+            (w, scj[0][1], fwd_fmt),
+            (gs[k], scj[1][0], bwd_fmt),
+        ):
+            if recipe.first_step_scaling == "current" and k == 0:
+                break
+            qj = f8j.quantize(arr, jnp.float32(s), fmts[0])
+            qt = f8t.quantize(torch.from_numpy(arr.copy()), torch.tensor(s), fmts[1])
+            np.testing.assert_array_equal(bits(qj.data), torch_bits(qt.data))
+        np.testing.assert_allclose(yj, yt, rtol=1e-5, atol=1e-5 * np.abs(yt).max())
+        for a, c in zip(gt, gj, strict=True):
+            np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-5 * np.abs(a).max())
+    assert float(j_out[-1][2][1][0]) != 1.0  # scales moved
+
+
+def test_exact_data_gives_bit_identical_everything(rng) -> None:
+    """Power-of-two scales and small-integer data make every GEMM exact in both frameworks, so
+    outputs, gradients and the OUTPUT / GRAD_INPUT slots (fp8_output, fp8_grad) match bit for
+    bit."""
+    recipe = f8j.DelayedScaling(amax_history_len=3, power_2_scale=True)
+    steps = 5
+    w = (rng.integers(-8, 9, (16, 32)) / 8).astype(np.float32)
+    b = (rng.integers(-4, 5, (16,)) / 4).astype(np.float32)
+    xs = [rng.integers(-8, 9, (8, 32)).astype(np.float32) * 2.0 ** (i - 2) for i in range(steps)]
+    gs = [rng.integers(-4, 5, (8, 16)).astype(np.float32) * 2.0**-i for i in range(steps)]
+    t_out = _torch_steps(recipe, w, b, xs, gs, True, True)
+    j_out = _jax_steps(recipe, w, b, xs, gs, True, True)
+    for (yt, gt, st, _), (yj, gj, sj, _) in zip(t_out, j_out, strict=True):
+        np.testing.assert_array_equal(yj, yt)
+        for a, c in zip(gt, gj, strict=True):
+            np.testing.assert_array_equal(c, a)
+        for a, c in zip(st, sj, strict=True):
+            np.testing.assert_array_equal(c, a)
+    last = j_out[-1][2]
+    assert np.asarray(last[0])[:, 2].any() and np.asarray(last[2])[:, 1].any()  # OUTPUT, GRAD_INPUT
