@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from benchmarks.common import ALLOCATOR_ENV, cpu_model, loadavg
 from fp8kit.formats import E4M3
 from fp8kit.torch import kernels
 from fp8kit.torch.quantization import (
@@ -49,8 +49,6 @@ from fp8kit.torch.quantization import (
     quantize_current,
 )
 from fp8kit.torch.scaling import compute_scale
-
-ALLOCATOR_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
 
 
 @dataclass
@@ -63,24 +61,6 @@ class Variant:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _loadavg() -> str:
-    try:
-        return " ".join(f"{v:.1f}" for v in os.getloadavg())
-    except OSError:
-        return "n/a"
 
 
 def _torch_amax(x: torch.Tensor) -> torch.Tensor:
@@ -211,13 +191,13 @@ def run(sizes: list[int], dtypes: list[torch.dtype], repeats: int, transpose: bo
     lines = [
         "# fp8kit quantize benchmark",
         "",
-        f"- machine: {_cpu_model()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"- machine: {cpu_model()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
         f"{torch.get_num_threads()} torch threads",
         f"- native kernel: {'yes, ' + str(kernels.native_isa()) if native else 'NO: '}"
         f"{'' if native else kernels.native_build_error()}",
         f"- allocator env active: {active}"
         + ("" if all(allocator.values()) else " (make bench sets both; see MEASUREMENTS.md)"),
-        f"- medians of {repeats} round-robin repeats; load average at start: {_loadavg()}",
+        f"- medians of {repeats} round-robin repeats; load average at start: {loadavg()}",
         "",
         "| input | N | variant | ms | GB/s | x ceiling | speedup vs eager |",
         "|---|---|---|---|---|---|---|",
@@ -250,7 +230,7 @@ def run(sizes: list[int], dtypes: list[torch.dtype], repeats: int, transpose: bo
                 line += f"; current scaling (2 reads) takes {med[current] / delayed:.2f}x as long"
             summary.append(line)
             del x, variants
-    lines += ["", "## Targets", "", *summary, "", f"load average at end: {_loadavg()}"]
+    lines += ["", "## Targets", "", *summary, "", f"load average at end: {loadavg()}"]
     return "\n".join(lines)
 
 

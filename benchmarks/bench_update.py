@@ -22,7 +22,9 @@ from benchmarks.common import machine_note, markdown_table
 from fp8kit.recipe import DelayedScaling
 
 
-class _CountOps(TorchDispatchMode):
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops dispatched while active (by name)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
@@ -45,7 +47,7 @@ def event_cost(num_modules: int, history_len: int, repeats: int) -> tuple[float,
         for layer in layers:
             layer(x)
         if i == repeats + 1:
-            with _CountOps() as counter:
+            with CountOps() as counter:
                 ctx.__exit__(None, None, None)
             ops = sum(counter.ops.values())
             continue

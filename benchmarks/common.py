@@ -25,12 +25,17 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def loadavg() -> str:
+    """The 1/5/15-minute load averages, or "n/a"."""
+    try:
+        return " ".join(f"{v:.1f}" for v in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
 def machine_note() -> str:
     """One line: CPU, cores, torch threads, load average, allocator settings, torch version."""
-    try:
-        load = " ".join(f"{v:.1f}" for v in os.getloadavg())
-    except OSError:
-        load = "n/a"
+    load = loadavg()
     alloc = ", ".join(f"{k}={os.environ[k]}" for k in ALLOCATOR_ENV if k in os.environ)
     return (
         f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} with "

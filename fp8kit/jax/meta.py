@@ -17,7 +17,6 @@ consumes it.
 
 from __future__ import annotations
 
-import enum
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -28,6 +27,7 @@ import numpy as np
 
 from fp8kit.jax.scaling import COUNT_WRAP_LIMIT
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe, recipe_from_dict
+from fp8kit.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
 
 __all__ = [
     "STEP_WRAP",
@@ -49,31 +49,6 @@ __all__ = [
 
 STEP_WRAP = 2**24
 """``Fp8Meta.step`` counts update events modulo 2**24 (float32 is exact below that)."""
-
-
-class FwdSlot(enum.IntEnum):
-    """Forward slot of GEMM ``g`` is ``3 * g + slot``."""
-
-    INPUT = 0
-    WEIGHT = 1
-    OUTPUT = 2
-
-
-class BwdSlot(enum.IntEnum):
-    """Backward slot of GEMM ``g`` is ``2 * g + slot``."""
-
-    GRAD_OUTPUT = 0
-    GRAD_INPUT = 1
-
-
-def fwd_slot(gemm: int, slot: FwdSlot) -> int:
-    """Index of forward ``slot`` of GEMM ``gemm``."""
-    return 3 * gemm + int(slot)
-
-
-def bwd_slot(gemm: int, slot: BwdSlot) -> int:
-    """Index of backward ``slot`` of GEMM ``gemm``."""
-    return 2 * gemm + int(slot)
 
 
 def check_recipe(recipe: Any, name: str = "recipe") -> Recipe:

@@ -7,12 +7,13 @@ fixed shapes (``fp8_meta.forward.amax_history`` ...) and load with ``weights_onl
 
 from __future__ import annotations
 
-import enum
 import warnings
 from typing import Any
 
 import torch
 from torch import nn
+
+from fp8kit.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
 
 __all__ = [
     "BwdSlot",
@@ -27,31 +28,6 @@ __all__ = [
 DEFAULT_HISTORY_LEN = 1024
 _BUFFER_NAMES = ("amax_history", "scale", "scale_inv", "update_count")
 _EXTRA_STATE_VERSION = 1
-
-
-class FwdSlot(enum.IntEnum):
-    """Forward slot of GEMM ``g`` is ``3 * g + slot``."""
-
-    INPUT = 0
-    WEIGHT = 1
-    OUTPUT = 2
-
-
-class BwdSlot(enum.IntEnum):
-    """Backward slot of GEMM ``g`` is ``2 * g + slot``."""
-
-    GRAD_OUTPUT = 0
-    GRAD_INPUT = 1
-
-
-def fwd_slot(gemm: int, slot: FwdSlot) -> int:
-    """Index of forward ``slot`` of GEMM ``gemm`` in a module's forward state."""
-    return 3 * gemm + int(slot)
-
-
-def bwd_slot(gemm: int, slot: BwdSlot) -> int:
-    """Index of backward ``slot`` of GEMM ``gemm`` in a module's backward state."""
-    return 2 * gemm + int(slot)
 
 
 def resize_history(history: torch.Tensor, length: int) -> torch.Tensor:

@@ -7,21 +7,11 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8kit.torch as f8
+from benchmarks.bench_update import CountOps
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch import update
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _forward_update_ops(num_modules: int, recipe: DelayedScaling) -> Counter[str]:
@@ -71,6 +61,7 @@ def test_backward_update_is_one_batched_call_per_pass(monkeypatch: pytest.Monkey
     loss.backward()
     # One batched call holding all 30 states (events armed by earlier forwards carry no states).
     assert [c for c in calls if c] == [30]
+
     def ops_for(states: list, margin: int) -> int:
         # A fresh recipe per call: its own registry, in which every given state ran.
         recipe = DelayedScaling(amax_history_len=8, margin=margin)
