@@ -45,16 +45,17 @@ def quantize_slot(
         record: fold the amax into the staging row (False for a reused cached weight).
     """
     if isinstance(recipe, Float8CurrentScaling):
-        return quantize_current(x, fmt, recipe.power_2_scale)
-    if recipe.first_step_scaling == "current" and not state.slot_has_history(slot):
-        q = quantize_current(x, fmt)
+        q = quantize_current(x, fmt, recipe.power_2_scale)
     else:
-        data, amax = cast_to_fp8(x, state.scale[slot], fmt)
-        # A copy, not a view: the state's scale_inv changes in place at the next update event,
-        # while this tensor may live on (saved for backward, cached weight).
-        q = Float8Tensor(data, state.scale_inv[slot].clone(), amax)
-    if record:
-        state.record_amax(slot, q.amax)
+        if recipe.first_step_scaling == "current" and not state.slot_has_history(slot):
+            q = quantize_current(x, fmt)
+        else:
+            data, amax = cast_to_fp8(x, state.scale[slot], fmt)
+            # A copy, not a view: the state's scale_inv changes in place at the next update
+            # event, while this tensor may live on (saved for backward, cached weight).
+            q = Float8Tensor(data, state.scale_inv[slot].clone(), amax)
+        if record:
+            state.record_amax(slot, q.amax)
     if _observer is not None:
         _observer(x, q, recipe, state, slot, fmt)
     return q

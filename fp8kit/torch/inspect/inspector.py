@@ -1,0 +1,353 @@
+"""``Inspector``: opt-in per-step numerics statistics of every FP8 slot of a model.
+
+The inspector installs itself as the observer of :func:`fp8kit.torch.quantizer.quantize_slot`,
+the single place where module slots are cast to FP8. Each observed cast queues a small float64
+statistics vector on the tensor's device (no host sync); :meth:`Inspector.step` stacks the queue,
+copies it to the host once and turns it into one :class:`SlotStats` per slot. When no inspector
+is attached, or on steps it does not sample, the observer is not installed at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp8kit.formats import FP8Format
+from fp8kit.recipe import Float8CurrentScaling, Recipe
+from fp8kit.torch import quantizer
+from fp8kit.torch.inspect.stats import cast_statistics, combine
+from fp8kit.torch.quantization import Float8Tensor, current_scale
+from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, ScalingState
+
+__all__ = ["Inspector", "SlotName", "SlotStats"]
+
+
+@dataclass(frozen=True)
+class SlotName:
+    """Where a slot lives: owning module, GEMM within it, direction and slot kind.
+
+    ``name`` joins the non-empty parts with dots, e.g. ``"blocks.0.mlp.fc1.INPUT"`` or
+    ``"blocks.0.attn.proj.GRAD_OUTPUT"``.
+    """
+
+    module: str
+    gemm: str
+    direction: str  # "forward" or "backward"
+    slot: str  # FwdSlot / BwdSlot member name
+
+    @property
+    def name(self) -> str:
+        return ".".join(p for p in (self.module, self.gemm, self.slot) if p)
+
+    @property
+    def layer(self) -> str:
+        """Module and GEMM without the slot kind (``"blocks.0.mlp.fc1"``)."""
+        return ".".join(p for p in (self.module, self.gemm) if p) or "<root>"
+
+
+@dataclass(frozen=True)
+class SlotStats:
+    """Statistics of one FP8 slot over one step (definitions in :mod:`.stats`).
+
+    ``saturated`` and ``flushed`` are fractions of ``numel`` (0..1), ``snr_db`` in decibels,
+    ``amax`` and ``scale`` in the units of the tensor (``scale`` is dimensionless: FP8 per unit).
+    """
+
+    step: int
+    name: str
+    module: str
+    gemm: str
+    direction: str
+    slot: str
+    fp8_format: str
+    casts: int
+    numel: int
+    amax: float
+    scale: float
+    saturated: float
+    flushed: float
+    snr_db: float
+
+    @property
+    def layer(self) -> str:
+        return ".".join(p for p in (self.module, self.gemm) if p) or "<root>"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _slot_scale(
+    q: Float8Tensor, recipe: Recipe, state: ScalingState, slot: int, fmt: FP8Format
+) -> torch.Tensor:
+    """The scale ``quantize_slot`` just used (same branches, same arithmetic)."""
+    if isinstance(recipe, Float8CurrentScaling):
+        return current_scale(q.amax, fmt, recipe.power_2_scale)  # type: ignore[arg-type]
+    if recipe.first_step_scaling == "current" and not state.slot_has_history(slot):
+        return current_scale(q.amax, fmt)  # type: ignore[arg-type]
+    return state.scale[slot]
+
+
+def _to_host(vectors: list[torch.Tensor]) -> list[list[float]]:
+    """Copy queued statistics vectors to the host: one transfer per device, order kept."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(vectors):
+        by_device.setdefault(v.device, []).append(i)
+    rows: list[list[float]] = [[] for _ in vectors]
+    for indices in by_device.values():
+        host = torch.stack([vectors[i] for i in indices]).cpu().tolist()
+        for i, row in zip(indices, host, strict=True):
+            rows[i] = row
+    return rows
+
+
+class _Names:
+    """Maps scaling states to the module that owns them (rescanning the model when needed)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._owners: dict[int, tuple[ScalingState, str, str, tuple[str, ...]]] = {}
+        self._unknown: dict[int, int] = {}
+        self._alive: dict[int, ScalingState] = {}
+        self._cache: dict[tuple[int, int], SlotName] = {}
+
+    def _scan(self) -> None:
+        for fqn, module in self._model.named_modules():
+            meta = getattr(module, "fp8_meta", None)
+            if not isinstance(meta, FP8Meta):
+                continue
+            names = tuple(getattr(module, "fp8_gemm_names", ()))
+            if len(names) != meta.num_gemms:
+                names = (
+                    ("",)
+                    if meta.num_gemms == 1
+                    else tuple(f"gemm{g}" for g in range(meta.num_gemms))
+                )
+            for direction, state in (("forward", meta.forward), ("backward", meta.backward)):
+                self._owners[id(state)] = (state, fqn, direction, names)
+
+    def _owner(self, state: ScalingState) -> tuple[str, str, tuple[str, ...]] | None:
+        entry = self._owners.get(id(state))
+        if entry is None or entry[0] is not state:
+            self._scan()
+            entry = self._owners.get(id(state))
+        if entry is None or entry[0] is not state:
+            return None
+        return entry[1], entry[2], entry[3]
+
+    def __call__(self, state: ScalingState, slot: int) -> SlotName:
+        key = (id(state), slot)
+        cached = self._cache.get(key)
+        if cached is not None and self._alive.get(id(state)) is state:
+            return cached
+        owner = self._owner(state)
+        if owner is None:
+            # Not a state of a module of the model: numbered by order of appearance.
+            index = self._unknown.setdefault(id(state), len(self._unknown))
+            name = SlotName(f"<unknown{index}>", "", "unknown", f"slot{slot}")
+        else:
+            fqn, direction, gemm_names = owner
+            per_gemm = 3 if direction == "forward" else 2
+            gemm, kind = divmod(slot, per_gemm)
+            kind_name = FwdSlot(kind).name if direction == "forward" else BwdSlot(kind).name
+            gemm_name = gemm_names[gemm] if gemm < len(gemm_names) else f"gemm{gemm}"
+            name = SlotName(fqn, gemm_name, direction, kind_name)
+        self._alive[id(state)] = state
+        self._cache[key] = name
+        return name
+
+
+class Inspector:
+    """Collect per-step FP8 statistics of every slot of ``model`` (amax, scale, saturation,
+    flush-to-zero, SNR).
+
+    Args:
+        model: the model whose FP8 modules are named in the results by their ``named_modules``
+            paths; casts of modules outside it are recorded as ``<unknownN>.slotI``.
+        every: sample one step in ``every`` (steps ``0, every, 2*every, ...`` of the inspector's
+            own count, or of the numbers passed to :meth:`step`); unsampled steps cost nothing.
+
+    Usage::
+
+        inspector = Inspector(model)
+        with inspector:                       # installs the observer
+            for step in range(n):
+                with f8.autocast(recipe=recipe):
+                    loss = model(x).sum()
+                loss.backward()
+                inspector.step()              # one host sync: closes the step
+        inspector.to_csv("fp8_stats.csv")
+
+    Only one inspector can be attached at a time.
+    """
+
+    def __init__(self, model: nn.Module, *, every: int = 1) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be an int >= 1, got {every!r}")
+        self.every = every
+        self.records: list[SlotStats] = []
+        self._names = _Names(model)
+        self._pending: list[tuple[SlotName, str, int, torch.Tensor]] = []
+        self._attached = False
+        self._paused = 0
+        self._next_step = 0
+
+    # -- attaching -----------------------------------------------------------------------------
+
+    def attach(self) -> Inspector:
+        """Start observing casts (from the current step on)."""
+        if self._attached:
+            return self
+        if quantizer._observer is not None:
+            raise RuntimeError(
+                "another fp8kit Inspector is already attached: detach it first (one at a time)"
+            )
+        self._attached = True
+        self._arm()
+        return self
+
+    def detach(self) -> None:
+        """Stop observing; casts queued for an unfinished step are dropped."""
+        if self._attached and quantizer._observer == self._observe:
+            quantizer._observer = None
+        self._attached = False
+        self._pending.clear()
+
+    def __enter__(self) -> Inspector:
+        return self.attach()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    @property
+    def sampling(self) -> bool:
+        """Whether casts made now are recorded (attached, not paused, sampled step)."""
+        return self._attached and quantizer._observer == self._observe
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Casts inside this block are not observed (e.g. evaluation between training steps)."""
+        self._paused += 1
+        self._arm()
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self._arm()
+
+    def _arm(self) -> None:
+        want = self._attached and not self._paused and self._next_step % self.every == 0
+        if want:
+            quantizer._observer = self._observe
+        elif quantizer._observer == self._observe:
+            quantizer._observer = None
+
+    # -- observing -----------------------------------------------------------------------------
+
+    def _observe(
+        self,
+        x: torch.Tensor,
+        q: Float8Tensor,
+        recipe: Recipe,
+        state: ScalingState,
+        slot: int,
+        fmt: FP8Format,
+    ) -> None:
+        scale = _slot_scale(q, recipe, state, slot, fmt)
+        values = cast_statistics(x, q, scale, fmt.max)
+        self._pending.append((self._names(state, slot), fmt.name, x.numel(), values))
+
+    def step(self, step: int | None = None) -> list[SlotStats]:
+        """Close the current step: one host sync, then one :class:`SlotStats` per slot.
+
+        Args:
+            step: the number to record (default: the inspector's own count, starting at 0).
+                The next step is numbered ``step + 1``.
+
+        Returns:
+            The new records (also appended to :attr:`records`); empty on unsampled steps.
+        """
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise TypeError(f"step must be an int or None, got {step!r}")
+        number = self._next_step if step is None else step
+        new: list[SlotStats] = []
+        if self._pending:
+            rows = _to_host([p[3] for p in self._pending])
+            grouped: dict[SlotName, tuple[str, list[tuple[int, list[float]]]]] = {}
+            for (name, fmt_name, numel, _), values in zip(self._pending, rows, strict=True):
+                grouped.setdefault(name, (fmt_name, []))[1].append((numel, values))
+            for name, (fmt_name, entries) in grouped.items():
+                t = combine(entries)
+                new.append(
+                    SlotStats(
+                        step=number,
+                        name=name.name,
+                        module=name.module,
+                        gemm=name.gemm,
+                        direction=name.direction,
+                        slot=name.slot,
+                        fp8_format=fmt_name,
+                        casts=t.casts,
+                        numel=t.numel,
+                        amax=t.amax,
+                        scale=t.scale,
+                        saturated=t.saturated,
+                        flushed=t.flushed,
+                        snr_db=t.snr_db,
+                    )
+                )
+            self._pending.clear()
+        self.records.extend(new)
+        self._next_step = number + 1
+        self._arm()
+        return new
+
+    # -- results -------------------------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        """Slot names seen so far, in order of first appearance."""
+        return list(dict.fromkeys(r.name for r in self.records))
+
+    def series(self, name: str, metric: str) -> tuple[list[int], list[float]]:
+        """``(steps, values)`` of ``metric`` (a :class:`SlotStats` field) for slot ``name``."""
+        if metric not in SlotStats.__dataclass_fields__:
+            raise ValueError(
+                f"metric must be one of {list(SlotStats.__dataclass_fields__)}, got {metric!r}"
+            )
+        picked = [r for r in self.records if r.name == name]
+        return [r.step for r in picked], [getattr(r, metric) for r in picked]
+
+    def clear(self) -> None:
+        """Forget all records (and queued casts)."""
+        self.records.clear()
+        self._pending.clear()
+
+    def to_csv(self, path: Any) -> None:
+        from fp8kit.torch.inspect.export import write_csv
+
+        write_csv(self.records, path)
+
+    def to_json(self, path: Any) -> None:
+        from fp8kit.torch.inspect.export import write_json
+
+        write_json(self.records, path)
+
+    def to_tensorboard(self, log_dir: Any = None, *, writer: Any = None) -> None:
+        from fp8kit.torch.inspect.export import write_tensorboard
+
+        write_tensorboard(self.records, log_dir, writer=writer)
+
+    def plot(self, path: Any, **kwargs: Any) -> None:
+        from fp8kit.torch.inspect.plot import plot_stats
+
+        plot_stats(self.records, path, **kwargs)

@@ -1,0 +1,361 @@
+"""Transformer building blocks whose GEMMs run in FP8: ``LayerNormLinear`` and ``LayerNormMLP``.
+
+Both follow the Transformer Engine module contract: a normalisation (LayerNorm or RMSNorm) fused
+in front of one or two FP8 GEMMs, with the same autocast, checkpoint and distributed behaviour as
+:class:`fp8kit.torch.Linear`. Every GEMM goes through :func:`fp8kit.torch.linear.fp8_linear`
+with its own slots of the module's :class:`FP8Meta` (SPEC section 3: forward ``(L, 3g)``,
+backward ``(L, 2g)`` for ``g`` GEMMs).
+
+The normalised activation is handed straight to the GEMM, which casts it to FP8 (INPUT slot) and
+keeps only the FP8 copy for its weight gradient; eager PyTorch cannot fuse the norm and the cast
+into one kernel, so "same pass" means no high-precision copy of the normalised output is kept.
+
+Outside an enabled :class:`fp8kit.torch.autocast` each block computes exactly the composition of
+plain PyTorch functions (``F.layer_norm``/``F.rms_norm``, ``F.linear``, the activation).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8kit.torch.autocast import current_group, current_recipe
+from fp8kit.torch.linear import fp8_linear, prepare_run
+from fp8kit.torch.quantization import Float8Tensor, check_high_precision
+from fp8kit.torch.quantizer import FP8Run
+from fp8kit.torch.state import FP8Meta, FwdSlot, fwd_slot
+
+__all__ = ["ACTIVATIONS", "NORMALIZATIONS", "LayerNormLinear", "LayerNormMLP"]
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ACTIVATIONS = ("gelu", "relu", "swiglu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (errors at the boundary, naming the parameter)
+
+
+def _check_features(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {list(choices)}, got {value!r}")
+    for choice in choices:
+        if value.lower() == choice.lower():
+            return choice
+    raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _check_eps(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"eps must be a positive float, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"eps must be a positive finite float, got {value!r}")
+    return float(value)
+
+
+def _check_microbatch(value: Any) -> None:
+    if not (value is None or isinstance(value, bool)):
+        raise TypeError(f"is_first_microbatch must be None, True or False, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces shared by the blocks
+
+
+def normalize(
+    x: torch.Tensor, kind: str, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """``LayerNorm`` or ``RMSNorm`` of ``x`` over its last dimension (shape unchanged)."""
+    if kind == "LayerNorm":
+        return F.layer_norm(x, weight.shape, weight, bias, eps)
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def activate(h: torch.Tensor, kind: str) -> torch.Tensor:
+    """Apply ``kind`` to fc1's output ``h``.
+
+    ``"gelu"`` is the exact (erf) GELU of ``torch.nn.GELU()``; ``"swiglu"`` splits ``h``
+    ``(*, 2F)`` into ``a, b`` (first and second half) and returns ``silu(a) * b`` ``(*, F)``.
+    """
+    if kind == "gelu":
+        return F.gelu(h)
+    if kind == "relu":
+        return F.relu(h)
+    a, b = h.chunk(2, dim=-1)
+    return F.silu(a) * b
+
+
+def _init_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``torch.nn.Linear``'s default initialisation (uniform, bound from the fan-in)."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1.0 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0.0
+        nn.init.uniform_(bias, -bound, bound)
+
+
+class _FP8Block(nn.Module):
+    """Base of the blocks: owns ``fp8_meta`` and the per-GEMM FP8 weight cache.
+
+    Subclasses set :attr:`fp8_gemm_names` (one name per GEMM, used by the inspector) and call
+    :meth:`_fp8_run` / :meth:`_cached_weights` in ``forward``.
+    """
+
+    fp8_gemm_names: tuple[str, ...] = ()
+
+    def _init_fp8(self, device: torch.device | str | None) -> None:
+        self.fp8_meta = FP8Meta(num_gemms=len(self.fp8_gemm_names), device=device)
+        self._weight_cache: list[Float8Tensor | None] = [None] * len(self.fp8_gemm_names)
+        self._run_cache: dict[str, Any] = {}
+
+    def _reset_fp8(self, device: torch.device) -> None:
+        """Fresh FP8 state (after ``reset_parameters``, e.g. following ``to_empty()``)."""
+        if "fp8_meta" in self._modules:
+            self.fp8_meta = FP8Meta(
+                num_gemms=len(self.fp8_gemm_names),
+                history_len=self.fp8_meta.forward.history_len,
+                device=device,
+            )
+            self._weight_cache = [None] * len(self.fp8_gemm_names)
+
+    def _fp8_run(self, x: torch.Tensor, in_features: int, ref: torch.Tensor) -> FP8Run | None:
+        """The FP8 run for this call, or None to take the plain high-precision path."""
+        recipe = current_recipe()
+        if recipe is None:
+            return None
+        check_high_precision(x, "x")
+        if x.shape[-1:] != (in_features,):
+            raise ValueError(
+                f"x must have shape (*, {in_features}) for this {type(self).__name__}, "
+                f"got {tuple(x.shape)}"
+            )
+        if x.device != ref.device:
+            raise ValueError(
+                f"x is on {x.device} but the parameters are on {ref.device}: move one of them"
+            )
+        if x.numel() == 0:
+            return None
+        return prepare_run(self.fp8_meta, recipe, current_group(), self._run_cache)
+
+    def _cached_weights(
+        self, run: FP8Run, is_first_microbatch: bool | None, weights: list[torch.Tensor]
+    ) -> list[Float8Tensor | None]:
+        """FP8 weights to reuse per GEMM (``is_first_microbatch`` semantics of SPEC section 4)."""
+        if is_first_microbatch is None:
+            self._weight_cache = [None] * len(weights)
+            return self._weight_cache
+        if is_first_microbatch:
+            fprop, dgrad, _ = (not o for o in run.override)
+            self._weight_cache = [
+                run.quantize_forward(w.detach(), fwd_slot(g, FwdSlot.WEIGHT))
+                if (fprop or dgrad)
+                else None
+                for g, w in enumerate(weights)
+            ]
+            return self._weight_cache
+        fprop, dgrad, _ = (not o for o in run.override)
+        if (fprop or dgrad) and any(w is None for w in self._weight_cache):
+            raise ValueError(
+                "is_first_microbatch=False reuses the FP8 weights cached by an earlier call with "
+                "is_first_microbatch=True, but there are none: pass True on the first microbatch"
+            )
+        return self._weight_cache
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNormLinear
+
+
+class LayerNormLinear(_FP8Block):
+    """Normalisation followed by a Linear whose GEMMs run in FP8 inside ``f8.autocast``.
+
+    ``y = norm(x) W^T + b`` with ``norm`` = LayerNorm (``layer_norm_weight``, ``layer_norm_bias``)
+    or RMSNorm (``layer_norm_weight`` only), over the last dimension.
+
+    Args:
+        in_features: size of the last dimension of ``x``.
+        out_features: size of the last dimension of ``y``.
+        bias: learn the Linear's additive bias ``b``.
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
+        eps: added to the variance (mean square for RMSNorm) for stability.
+        device, dtype: of the parameters and FP8 state.
+
+    Shapes: ``x`` ``(*, in_features)`` -> ``y`` ``(*, out_features)``.
+    State: ``fp8_meta`` with one GEMM (forward ``(L, 3)``, backward ``(L, 2)``), as
+    :class:`fp8kit.torch.Linear`. ``forward(x, is_first_microbatch=None)`` caches the FP8 weight
+    across microbatches like ``Linear``.
+    """
+
+    fp8_gemm_names = ("",)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        eps: float = 1e-5,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = _check_features("in_features", in_features)
+        self.out_features = _check_features("out_features", out_features)
+        _check_bool("bias", bias)
+        self.normalization = _check_choice("normalization", normalization, NORMALIZATIONS)
+        self.eps = _check_eps(eps)
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.layer_norm_weight = nn.Parameter(torch.empty(in_features, **kw))
+        if self.normalization == "LayerNorm":
+            self.layer_norm_bias = nn.Parameter(torch.empty(in_features, **kw))
+        else:
+            self.register_parameter("layer_norm_bias", None)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, **kw))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+        self._init_fp8(device)
+
+    def reset_parameters(self) -> None:
+        """Norm weight 1, norm bias 0, Linear as ``torch.nn.Linear``; fresh FP8 state."""
+        nn.init.ones_(self.layer_norm_weight)
+        if self.layer_norm_bias is not None:
+            nn.init.zeros_(self.layer_norm_bias)
+        _init_linear(self.weight, self.bias)
+        self._reset_fp8(self.weight.device)
+
+    @torch.compiler.disable  # FP8 state is Python-side, as in f8.Linear: runs eagerly
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, is_first_microbatch: bool | None = None
+    ) -> torch.Tensor:
+        """``(*, in_features)`` -> ``(*, out_features)``."""
+        _check_microbatch(is_first_microbatch)
+        run = self._fp8_run(x, self.in_features, self.weight)
+        h = normalize(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps)
+        if run is None:
+            return F.linear(h, self.weight, self.bias)
+        (cached,) = self._cached_weights(run, is_first_microbatch, [self.weight])
+        return fp8_linear(h, self.weight, self.bias, run, gemm=0, cached_weight=cached)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, normalization={self.normalization}, eps={self.eps}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNormMLP
+
+
+class LayerNormMLP(_FP8Block):
+    """Normalisation, fc1, activation, fc2: a transformer MLP whose two GEMMs run in FP8.
+
+    ``y = fc2(act(fc1(norm(x))))`` where fc1 maps ``hidden_size`` to ``ffn_hidden_size``
+    (``2 * ffn_hidden_size`` for SwiGLU, whose activation is ``silu(a) * b`` of the two halves)
+    and fc2 maps ``ffn_hidden_size`` back to ``hidden_size``.
+
+    Args:
+        hidden_size: size of the last dimension of ``x`` and ``y``.
+        ffn_hidden_size: width of the hidden (post-activation) layer.
+        bias: learn ``fc1_bias`` and ``fc2_bias``.
+        activation: ``"gelu"`` (exact erf form), ``"relu"`` or ``"swiglu"``.
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
+        eps: added to the variance (mean square for RMSNorm).
+        device, dtype: of the parameters and FP8 state.
+
+    Parameters: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only), ``fc1_weight``
+    ``(ffn or 2*ffn, hidden)``, ``fc1_bias``, ``fc2_weight`` ``(hidden, ffn)``, ``fc2_bias``.
+    State: ``fp8_meta`` with two GEMMs, forward ``(L, 6)`` (fc1 slots 0-2, fc2 slots 3-5) and
+    backward ``(L, 4)`` (fc1 slots 0-1, fc2 slots 2-3). The activation output is fc2's INPUT.
+    """
+
+    fp8_gemm_names = ("fc1", "fc2")
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        bias: bool = True,
+        activation: str = "gelu",
+        normalization: str = "LayerNorm",
+        eps: float = 1e-5,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = _check_features("hidden_size", hidden_size)
+        self.ffn_hidden_size = _check_features("ffn_hidden_size", ffn_hidden_size)
+        _check_bool("bias", bias)
+        self.activation = _check_choice("activation", activation, ACTIVATIONS)
+        self.normalization = _check_choice("normalization", normalization, NORMALIZATIONS)
+        self.eps = _check_eps(eps)
+        fc1_out = 2 * ffn_hidden_size if self.activation == "swiglu" else ffn_hidden_size
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, **kw))
+        if self.normalization == "LayerNorm":
+            self.layer_norm_bias = nn.Parameter(torch.empty(hidden_size, **kw))
+        else:
+            self.register_parameter("layer_norm_bias", None)
+        self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, **kw))
+        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **kw))
+        if bias:
+            self.fc1_bias = nn.Parameter(torch.empty(fc1_out, **kw))
+            self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **kw))
+        else:
+            self.register_parameter("fc1_bias", None)
+            self.register_parameter("fc2_bias", None)
+        self.reset_parameters()
+        self._init_fp8(device)
+
+    def reset_parameters(self) -> None:
+        """Norm weight 1, norm bias 0, fc1/fc2 as ``torch.nn.Linear``; fresh FP8 state."""
+        nn.init.ones_(self.layer_norm_weight)
+        if self.layer_norm_bias is not None:
+            nn.init.zeros_(self.layer_norm_bias)
+        _init_linear(self.fc1_weight, self.fc1_bias)
+        _init_linear(self.fc2_weight, self.fc2_bias)
+        self._reset_fp8(self.fc1_weight.device)
+
+    @torch.compiler.disable  # FP8 state is Python-side, as in f8.Linear: runs eagerly
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, is_first_microbatch: bool | None = None
+    ) -> torch.Tensor:
+        """``(*, hidden_size)`` -> ``(*, hidden_size)``."""
+        _check_microbatch(is_first_microbatch)
+        run = self._fp8_run(x, self.hidden_size, self.fc1_weight)
+        h = normalize(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps)
+        if run is None:
+            h = F.linear(h, self.fc1_weight, self.fc1_bias)
+            return F.linear(activate(h, self.activation), self.fc2_weight, self.fc2_bias)
+        w1, w2 = self._cached_weights(run, is_first_microbatch, [self.fc1_weight, self.fc2_weight])
+        h = fp8_linear(h, self.fc1_weight, self.fc1_bias, run, gemm=0, cached_weight=w1)
+        h = activate(h, self.activation)
+        return fp8_linear(h, self.fc2_weight, self.fc2_bias, run, gemm=1, cached_weight=w2)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+            f"bias={self.fc1_bias is not None}, activation={self.activation}, "
+            f"normalization={self.normalization}, eps={self.eps}"
+        )

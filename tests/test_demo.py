@@ -1,0 +1,257 @@
+"""The demo: ``fp8kit demo --quick`` end to end, input validation, corpus and bf16 emulation."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("matplotlib")
+
+from fp8kit.__main__ import main as fp8kit_main  # noqa: E402
+from fp8kit.demo.cli import main as demo_main  # noqa: E402
+from fp8kit.demo.corpus import CorpusError, load_corpus, stdlib_files  # noqa: E402
+from fp8kit.demo.precision import Bf16Emulation  # noqa: E402
+from fp8kit.demo.train import TrainConfig, batch_offsets, lr_at  # noqa: E402
+
+PNGS = ("loss.png", "fp8_amax_scale.png", "fp8_saturation_flush.png")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One ``--quick`` run of all four variants, shared by the checks below."""
+    out = tmp_path_factory.mktemp("demo") / "out"
+    assert demo_main(["--quick", "--out", str(out)]) == 0
+    return out
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    assert math.isfinite(value), text
+    return value
+
+
+def test_quick_run_writes_report_pngs_and_metrics(quick_run: Path) -> None:
+    report = (quick_run / "report.md").read_text()
+    for label in ("fp32", "bf16", "FP8 delayed scaling", "FP8 current scaling"):
+        assert label in report
+    for png in PNGS:
+        assert f"]({png})" in report
+    assert "## Machine" in report and "## Setup" in report
+    for name in PNGS:
+        data = (quick_run / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n", name
+        import matplotlib.image
+
+        image = matplotlib.image.imread(quick_run / name)  # decodes: a valid image
+        assert image.ndim == 3 and image.shape[0] >= 300 and image.shape[1] >= 300
+
+
+def test_quick_run_metrics_hold_finite_numbers(quick_run: Path) -> None:
+    with open(quick_run / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    variants = {r["variant"] for r in rows}
+    assert variants == {"fp32", "bf16", "fp8-delayed", "fp8-current"}
+    for r in rows:
+        if r["lr_step_loss"]:
+            _finite(r["lr_step_loss"])
+            _finite(r["step_time_s"])
+        if r["val_loss"]:
+            _finite(r["val_loss"])
+    results = json.loads((quick_run / "results.json").read_text())
+    summary = {s["variant"]: s for s in results["summary"]}
+    for s in summary.values():
+        for key in ("final_train_loss", "final_val_loss", "tokens_per_s", "speed_vs_fp32"):
+            assert isinstance(s[key], float) and math.isfinite(s[key]), (s["variant"], key)
+        assert s["finite"] and s["diverged"] is None
+        assert 0.0 < s["final_val_loss"] < math.log(256) + 0.5  # starts near ln 256
+    assert summary["fp32"]["gap_to_fp32_percent"] == 0.0
+    assert results["quick"] is True
+    assert {t["variant"] for t in results["targets"]} == {"fp8-delayed", "fp8-current"}
+    with open(quick_run / "fp8_stats.csv", newline="") as f:
+        stats = list(csv.DictReader(f))
+    assert {r["slot"] for r in stats} == {"INPUT", "WEIGHT", "GRAD_OUTPUT"}
+    assert any(r["name"] == "blocks.0.mlp.fc1.INPUT" for r in stats)
+    for r in stats:
+        for key in ("amax", "scale", "saturated", "flushed"):
+            _finite(r[key])
+    json.loads((quick_run / "fp8_stats.json").read_text())
+
+
+def test_same_data_order_and_initial_loss_for_every_variant(quick_run: Path) -> None:
+    curves = json.loads((quick_run / "results.json").read_text())["curves"]
+    first_val = {name: c["val_loss"][0] for name, c in curves.items()}
+    # Same weights and data: the step-0 validation losses agree closely (FP8 and bf16 differ
+    # only by rounding), and every curve has one loss per step.
+    values = [v for _, v in first_val.values()]
+    assert max(values) - min(values) < 0.05
+    assert len({len(c["train_loss"]) for c in curves.values()}) == 1
+
+
+def _run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = demo_main(args)
+    err = capsys.readouterr().err
+    return code, err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "0"], "--steps must be between 1"),
+        (["--steps", "many"], "--steps must be an integer"),
+        (["--variants", "fp32,fp16"], "unknown variant 'fp16'"),
+        (["--variants", "fp32,fp32"], "lists a variant twice"),
+        (["--variants", ","], "at least one"),
+        (["--seed", "-1"], "--seed must be between"),
+        (["--bf16", "maybe"], "invalid choice"),
+        (["--frobnicate"], "unrecognized arguments"),
+    ],
+)
+def test_bad_options_exit_2_with_one_line(
+    args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = _run_cli([*args, "--out", str(tmp_path / "o")], capsys)
+    assert code == 2
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_corpus_and_out_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = str(tmp_path / "o")
+    code, err = _run_cli(["--corpus", str(tmp_path / "missing.txt"), "--out", out], capsys)
+    assert code == 2 and "no such file or folder" in err and err.count("\n") == 1
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    code, err = _run_cli(["--corpus", str(empty), "--out", out], capsys)
+    assert code == 2 and "corpus is empty" in err
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("print('hi')\n")
+    code, err = _run_cli(["--quick", "--corpus", str(tiny), "--out", out], capsys)
+    assert code == 2 and "needs at least" in err
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    code, err = _run_cli(["--out", str(a_file)], capsys)
+    assert code == 2 and "not a folder" in err
+    code, err = _run_cli(["--out", str(a_file / "sub")], capsys)
+    assert code == 2 and "cannot write to folder" in err and "Traceback" not in err
+
+
+def test_user_corpus_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = tmp_path / "poem.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    out = tmp_path / "o"
+    args = ["--quick", "--steps", "2", "--variants", "fp32,fp8-current"]
+    code = demo_main([*args, "--corpus", str(text), "--out", str(out)])
+    assert code == 0
+    report = (out / "report.md").read_text()
+    assert "poem.txt" in report and "FP8 current scaling" in report
+    assert not (out / "fp8_amax_scale.png").exists()  # no delayed-scaling run to inspect
+    assert "FP8 current scaling" in capsys.readouterr().err  # the progress bar
+
+
+def test_console_command_runs_the_demo(tmp_path: Path) -> None:
+    """``python -m fp8kit demo`` (what the ``fp8kit`` console script calls) in a subprocess."""
+    out = tmp_path / "o"
+    args = ["demo", "--quick", "--steps", "1", "--variants", "fp32", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fp8kit", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "report.md").is_file() and (out / "loss.png").is_file()
+    assert "report:" in proc.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "fp8kit", "demo", "--corpus", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().startswith("fp8kit demo: error: --corpus")
+    assert not (tmp_path / "fp8kit-demo").exists()  # nothing created for a bad corpus
+
+
+def test_fp8kit_command_dispatch(capsys: pytest.CaptureFixture[str]) -> None:
+    assert fp8kit_main(["--version"]) == 0
+    assert "fp8kit 0." in capsys.readouterr().out
+    assert fp8kit_main(["train"]) == 2
+    assert "unknown command 'train'" in capsys.readouterr().err
+    assert fp8kit_main([]) == 2
+    assert fp8kit_main(["--help"]) == 0
+
+
+def test_stdlib_corpus_is_deterministic_and_excludes_installed_packages() -> None:
+    a = load_corpus(max_bytes=300_000)
+    b = load_corpus(max_bytes=300_000)
+    assert torch.equal(a.train, b.train) and torch.equal(a.val, b.val)
+    assert a.num_bytes == 300_000 and a.val.numel() == 30_000
+    root, files = stdlib_files()
+    assert files and all("site-packages" not in p.relative_to(root).parts for p in files)
+    assert all(p.suffix == ".py" for p in files)
+
+
+def test_corpus_folder_skips_binary_files(tmp_path: Path) -> None:
+    (tmp_path / "b.txt").write_text("hello world " * 50)
+    (tmp_path / "a.bin").write_bytes(b"\x00\x01\x02" * 100)
+    corpus = load_corpus(tmp_path, min_bytes=10)
+    assert corpus.num_files == 1 and corpus.num_bytes == 600
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CorpusError, match="empty"):
+        load_corpus(empty)
+
+
+def test_batches_and_schedule() -> None:
+    a = batch_offsets(1000, 16, 4, 5, seed=3)
+    assert torch.equal(a, batch_offsets(1000, 16, 4, 5, seed=3))
+    assert a.shape == (5, 4) and int(a.max()) < 1000 - 17
+    cfg = TrainConfig(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(99, cfg) == pytest.approx(0.1, abs=1e-3)
+
+
+def test_bf16_emulation_rounds_like_bf16_matmul() -> None:
+    """Forward: bf16 operands, float32 accumulation, bf16 result; backward rounded likewise."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, requires_grad=True)
+    w = torch.randn(16, 32, requires_grad=True)
+    with Bf16Emulation():
+        y = torch.nn.functional.linear(x, w)
+    xr, wr = x.detach().bfloat16().float(), w.detach().bfloat16().float()
+    expected = (xr.double() @ wr.double().T).bfloat16().float()
+    # At most one bf16 step apart (float32 vs float64 accumulation before the last rounding).
+    assert ((y.detach() - expected).abs() <= expected.abs() * 2**-7).all()
+    assert torch.equal(y.detach(), y.detach().bfloat16().float())  # bf16-valued
+    g = torch.randn(8, 16)
+    y.backward(g)
+    assert torch.equal(x.grad, x.grad.bfloat16().float())
+    gr = g.bfloat16().float()
+    dx = (gr @ wr).bfloat16().float()
+    assert (x.grad - dx).abs().max() <= dx.abs().max() * 2**-7
+    # Native bf16 autocast gives the same numbers up to accumulation order.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        native = torch.nn.functional.linear(x.detach(), w.detach()).float()
+    assert (native - y.detach()).abs().max() <= native.abs().max() * 2**-7
+
+
+def test_missing_matplotlib_is_reported_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name)
+    )
+    code, err = _run_cli(["--quick", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "pip install 'fp8kit[demo]'" in err and err.count("\n") == 1

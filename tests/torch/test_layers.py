@@ -1,0 +1,467 @@
+"""LayerNormLinear and LayerNormMLP: plain-PyTorch equality outside autocast, float64 FP8
+references inside, the (L, 6) / (L, 4) state layout, checkpoints, microbatches and errors."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fp8kit.torch as f8
+from fp8kit.formats import E4M3, E5M2, FP8Format
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
+from fp8kit.torch.layers import LayerNormLinear, LayerNormMLP
+from tests.reference import fp8_round
+
+INPUT, WEIGHT = int(f8.FwdSlot.INPUT), int(f8.FwdSlot.WEIGHT)
+GRAD_OUTPUT = int(f8.BwdSlot.GRAD_OUTPUT)
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 references
+
+
+def qdq64(x: np.ndarray | torch.Tensor, scale: float, fmt: FP8Format) -> np.ndarray:
+    """float64 value of the FP8 cast of float32(x) * float32(scale), times float32(1/scale)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().to(torch.float64).numpy()
+    s32 = np.float32(scale)
+    scaled = (np.asarray(x, dtype=np.float32) * s32).astype(np.float64)
+    return fp8_round(scaled, fmt) * np.float64(np.float32(1) / s32)
+
+
+def layer_norm64(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, eps: float) -> np.ndarray:
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    y = (x - mean) / np.sqrt(var + eps) * w
+    return y + b if b is not None else y
+
+
+def rms_norm64(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * w
+
+
+def gelu64(x: np.ndarray) -> np.ndarray:
+    erf = np.vectorize(math.erf)
+    return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
+
+
+def gelu_grad64(x: np.ndarray) -> np.ndarray:
+    erf = np.vectorize(math.erf)
+    pdf = np.exp(-0.5 * x**2) / math.sqrt(2 * math.pi)
+    return 0.5 * (1.0 + erf(x / math.sqrt(2.0))) + x * pdf
+
+
+def np64(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.detach().to(torch.float64).numpy()
+
+
+def rel(a: torch.Tensor | np.ndarray, b: np.ndarray) -> float:
+    a = np64(a) if isinstance(a, torch.Tensor) else a
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def randomize(module: nn.Module, seed: int) -> None:
+    """Non-trivial norm parameters (ones/zeros would hide a missing weight or bias)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.startswith("layer_norm"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+
+
+# ---------------------------------------------------------------------------------------------
+# Outside autocast: exactly the plain PyTorch composition
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layernorm_linear_outside_autocast_is_plain_pytorch(normalization: str, bias: bool) -> None:
+    torch.manual_seed(0)
+    block = LayerNormLinear(24, 40, bias=bias, normalization=normalization, eps=1e-3)
+    randomize(block, 1)
+    norm = nn.LayerNorm(24, eps=1e-3) if normalization == "LayerNorm" else nn.RMSNorm(24, eps=1e-3)
+    lin = nn.Linear(24, 40, bias=bias)
+    with torch.no_grad():
+        norm.weight.copy_(block.layer_norm_weight)
+        if normalization == "LayerNorm":
+            norm.bias.copy_(block.layer_norm_bias)
+        lin.weight.copy_(block.weight)
+        if bias:
+            lin.bias.copy_(block.bias)
+    x = torch.randn(3, 5, 24)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = block(x1), lin(norm(x2))
+    assert torch.equal(y1, y2)
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    y2.backward(g)
+    assert torch.equal(x1.grad, x2.grad)
+    assert torch.equal(block.weight.grad, lin.weight.grad)
+    assert torch.equal(block.layer_norm_weight.grad, norm.weight.grad)
+    if bias:
+        assert torch.equal(block.bias.grad, lin.bias.grad)
+    assert not block.fp8_meta.forward.amax_history.any()  # nothing was quantized
+
+
+class PlainMLP(nn.Module):
+    """The reference composition of plain modules."""
+
+    def __init__(self, hidden: int, ffn: int, activation: str, normalization: str, bias: bool):
+        super().__init__()
+        self.norm = (
+            nn.LayerNorm(hidden) if normalization == "LayerNorm" else nn.RMSNorm(hidden, eps=1e-5)
+        )
+        self.fc1 = nn.Linear(hidden, 2 * ffn if activation == "swiglu" else ffn, bias=bias)
+        self.fc2 = nn.Linear(ffn, hidden, bias=bias)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(self.norm(x))
+        if self.activation == "gelu":
+            h = nn.GELU()(h)
+        elif self.activation == "relu":
+            h = nn.ReLU()(h)
+        else:
+            a, b = h.chunk(2, dim=-1)
+            h = nn.SiLU()(a) * b
+        return self.fc2(h)
+
+    @torch.no_grad()
+    def copy_from(self, block: LayerNormMLP) -> None:
+        self.norm.weight.copy_(block.layer_norm_weight)
+        if block.layer_norm_bias is not None:
+            self.norm.bias.copy_(block.layer_norm_bias)
+        self.fc1.weight.copy_(block.fc1_weight)
+        self.fc2.weight.copy_(block.fc2_weight)
+        if block.fc1_bias is not None:
+            self.fc1.bias.copy_(block.fc1_bias)
+            self.fc2.bias.copy_(block.fc2_bias)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu", "swiglu"])
+@pytest.mark.parametrize(("normalization", "bias"), [("LayerNorm", True), ("RMSNorm", False)])
+def test_layernorm_mlp_outside_autocast_is_plain_pytorch(
+    activation: str, normalization: str, bias: bool
+) -> None:
+    torch.manual_seed(1)
+    block = LayerNormMLP(16, 48, bias=bias, activation=activation, normalization=normalization)
+    randomize(block, 2)
+    plain = PlainMLP(16, 48, activation, normalization, bias)
+    plain.copy_from(block)
+    x = torch.randn(2, 7, 16)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = block(x1), plain(x2)
+    assert torch.equal(y1, y2)
+    y1.sum().backward()
+    y2.sum().backward()
+    assert torch.equal(x1.grad, x2.grad)
+    assert torch.equal(block.fc1_weight.grad, plain.fc1.weight.grad)
+    assert torch.equal(block.fc2_weight.grad, plain.fc2.weight.grad)
+    assert torch.equal(block.layer_norm_weight.grad, plain.norm.weight.grad)
+
+
+def test_swiglu_shapes_and_halves() -> None:
+    block = LayerNormMLP(8, 12, activation="swiglu")
+    assert block.fc1_weight.shape == (24, 8) and block.fc1_bias.shape == (24,)
+    assert block.fc2_weight.shape == (8, 12)
+    h = torch.randn(3, 24)
+    from fp8kit.torch.layers import activate
+
+    expected = F.silu(h[:, :12]) * h[:, 12:]  # gate = first half
+    assert torch.equal(activate(h, "swiglu"), expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside autocast: FP8 GEMMs against float64 references
+
+
+def _scales(block: nn.Module) -> tuple[list[float], list[float]]:
+    return (
+        block.fp8_meta.forward.scale.tolist(),
+        block.fp8_meta.backward.scale.tolist(),
+    )
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_layernorm_linear_fp8_matches_float64_reference(normalization: str) -> None:
+    """Two steps (scale 1, then the scales of event 1): y, dx-free dW and db against float64."""
+    torch.manual_seed(3)
+    block = LayerNormLinear(32, 48, normalization=normalization)
+    randomize(block, 4)
+    recipe = DelayedScaling(amax_history_len=8)
+    for step in range(2):
+        x = torch.randn(6, 32) * 2
+        g = torch.randn(6, 48) * 1e-2
+        (s_x, s_w, _), (s_g, _) = _scales(block)
+        if step == 0:
+            assert (s_x, s_w, s_g) == (1.0, 1.0, 1.0)
+        block.zero_grad()
+        with f8.autocast(recipe=recipe):
+            y = block(x)
+        y.backward(g)
+        x64, g64 = np64(x), np64(g)
+        w_ln, b_ln = np64(block.layer_norm_weight), np64(block.layer_norm_bias)
+        eps = block.eps
+        h = layer_norm64(x64, w_ln, b_ln, eps) if b_ln is not None else rms_norm64(x64, w_ln, eps)
+        hq, wq, gq = qdq64(h, s_x, E4M3), qdq64(block.weight, s_w, E4M3), qdq64(g64, s_g, E5M2)
+        assert rel(y, hq @ wq.T + np64(block.bias)) < 1e-5
+        assert rel(block.weight.grad, gq.T @ hq) < 1e-5
+        np.testing.assert_allclose(np64(block.bias.grad), g64.sum(0), rtol=1e-5, atol=1e-7)
+    fwd, bwd = _scales(block)
+    assert fwd[INPUT] != 1.0 and fwd[WEIGHT] != 1.0 and bwd[GRAD_OUTPUT] != 1.0
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_layernorm_mlp_fp8_matches_float64_reference(activation: str) -> None:
+    """Forward, and fc2's weight gradient, through both FP8 GEMMs in float64 (two steps)."""
+    torch.manual_seed(5)
+    block = LayerNormMLP(32, 64, activation=activation)
+    randomize(block, 6)
+    recipe = DelayedScaling(amax_history_len=8)
+    act = gelu64 if activation == "gelu" else (lambda v: np.maximum(v, 0.0))
+    act_grad = gelu_grad64 if activation == "gelu" else (lambda v: (v > 0).astype(np.float64))
+    for _ in range(2):
+        x = torch.randn(8, 32)
+        g = torch.randn(8, 32) * 1e-2
+        fwd, bwd = _scales(block)
+        block.zero_grad()
+        with f8.autocast(recipe=recipe):
+            y = block(x)
+        y.backward(g)
+        x64, g64 = np64(x), np64(g)
+        h = layer_norm64(x64, np64(block.layer_norm_weight), np64(block.layer_norm_bias), 1e-5)
+        hq = qdq64(h, fwd[0], E4M3)
+        w1q = qdq64(block.fc1_weight, fwd[1], E4M3)
+        a = hq @ w1q.T + np64(block.fc1_bias)
+        zq = qdq64(act(a), fwd[3], E4M3)
+        w2q = qdq64(block.fc2_weight, fwd[4], E4M3)
+        assert rel(y, zq @ w2q.T + np64(block.fc2_bias)) < 1e-4
+        gq2 = qdq64(g64, bwd[2], E5M2)  # fc2's GRAD_OUTPUT is backward slot 2
+        assert rel(block.fc2_weight.grad, gq2.T @ zq) < 1e-4
+        d_a = (gq2 @ w2q) * act_grad(a)
+        gq1 = qdq64(d_a, bwd[0], E5M2)  # fc1's GRAD_OUTPUT is backward slot 0
+        assert rel(block.fc1_weight.grad, gq1.T @ hq) < 2e-3
+
+
+def test_layernorm_mlp_equals_composition_with_fp8_linears() -> None:
+    """Under autocast, LayerNormMLP == LayerNorm -> f8.Linear -> GELU -> f8.Linear, bit for bit,
+    with fc1's state in slots 0-2 / 0-1 and fc2's in slots 3-5 / 2-3."""
+    torch.manual_seed(7)
+    block = LayerNormMLP(32, 64)
+    randomize(block, 8)
+    norm, fc1, fc2 = nn.LayerNorm(32), f8.Linear(32, 64), f8.Linear(64, 32)
+    with torch.no_grad():
+        norm.weight.copy_(block.layer_norm_weight)
+        norm.bias.copy_(block.layer_norm_bias)
+        fc1.weight.copy_(block.fc1_weight)
+        fc1.bias.copy_(block.fc1_bias)
+        fc2.weight.copy_(block.fc2_weight)
+        fc2.bias.copy_(block.fc2_bias)
+    recipe = DelayedScaling(amax_history_len=4)
+    for _ in range(3):
+        x = torch.randn(4, 5, 32)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with f8.autocast(recipe=recipe):
+            y1 = block(x1)
+            y2 = fc2(F.gelu(fc1(norm(x2))))
+        assert torch.equal(y1, y2)
+        g = torch.randn_like(y1)
+        y1.backward(g)
+        y2.backward(g)
+        assert torch.equal(x1.grad, x2.grad)
+        assert torch.equal(block.fc1_weight.grad, fc1.weight.grad)
+        assert torch.equal(block.fc2_weight.grad, fc2.weight.grad)
+    meta = block.fp8_meta
+    assert meta.forward.amax_history.shape == (4, 6)
+    assert meta.backward.amax_history.shape == (4, 4)
+    for direction, per in (("forward", 3), ("backward", 2)):
+        mine = getattr(meta, direction)
+        for g_idx, lin in enumerate((fc1, fc2)):
+            theirs = getattr(lin.fp8_meta, direction)
+            cols = slice(per * g_idx, per * (g_idx + 1))
+            assert torch.equal(mine.amax_history[:, cols], theirs.amax_history)
+            assert torch.equal(mine.scale[cols], theirs.scale)
+
+
+def test_layernorm_linear_equals_composition_with_fp8_linear() -> None:
+    torch.manual_seed(9)
+    block = LayerNormLinear(16, 32, normalization="RMSNorm")
+    randomize(block, 10)
+    norm, lin = nn.RMSNorm(16, eps=1e-5), f8.Linear(16, 32)
+    with torch.no_grad():
+        norm.weight.copy_(block.layer_norm_weight)
+        lin.weight.copy_(block.weight)
+        lin.bias.copy_(block.bias)
+    recipe = Float8CurrentScaling()
+    x = torch.randn(9, 16)
+    with f8.autocast(recipe=recipe):
+        assert torch.equal(block(x), lin(norm(x)))
+
+
+def test_state_layout_and_recorded_amaxes() -> None:
+    """The right amax lands in the right slot of the (L, 6) / (L, 4) states."""
+    torch.manual_seed(11)
+    block = LayerNormMLP(16, 32, activation="relu", bias=False)
+    x = torch.randn(4, 16, requires_grad=True)
+    g = torch.randn(4, 16)
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=3)):
+        y = block(x)
+    y.backward(g)
+    fwd = block.fp8_meta.forward.amax_history
+    bwd = block.fp8_meta.backward.amax_history
+    assert fwd.shape == (3, 6) and bwd.shape == (3, 4)
+    h = F.layer_norm(x.detach(), (16,), block.layer_norm_weight, block.layer_norm_bias)
+    # After the update the newest entry is the last row; the OUTPUT slots never ran.
+    assert fwd[-1, 0] == h.abs().max()
+    assert fwd[-1, 1] == block.fc1_weight.abs().max()
+    assert fwd[-1, 4] == block.fc2_weight.abs().max()
+    assert fwd[-1, 2] == 0 and fwd[-1, 5] == 0
+    assert bwd[-1, 2] == g.abs().max()  # fc2's GRAD_OUTPUT is the incoming gradient
+    assert bwd[-1, 0] > 0 and bwd[-1, 1] == 0 and bwd[-1, 3] == 0
+
+
+def test_checkpoint_round_trip_reproduces_next_step() -> None:
+    torch.manual_seed(12)
+    recipe = DelayedScaling(amax_history_len=5)
+    a = LayerNormMLP(16, 32, activation="swiglu", normalization="RMSNorm")
+    for _ in range(3):
+        with f8.autocast(recipe=recipe):
+            y = a(torch.randn(6, 16))
+        y.sum().backward()
+    keys = set(a.state_dict())
+    assert {"fp8_meta.forward.amax_history", "fp8_meta.backward.scale"} <= keys
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b = LayerNormMLP(16, 32, activation="swiglu", normalization="RMSNorm")
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    a.zero_grad()
+    x = torch.randn(6, 16)
+    outs = []
+    for m in (a, b):
+        with f8.autocast(recipe=recipe):
+            y = m(x)
+        y.sum().backward()
+        outs.append((y.detach(), m.fp8_meta.forward.scale.clone(), m.fc1_weight.grad.clone()))
+    for mine, theirs in zip(outs[0], outs[1], strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_is_first_microbatch_caches_both_weights() -> None:
+    torch.manual_seed(13)
+    block = LayerNormMLP(16, 32)
+    recipe = DelayedScaling(amax_history_len=4)
+    x = torch.randn(4, 16)
+    with f8.autocast(recipe=recipe):
+        y_first = block(x, is_first_microbatch=True)
+        with torch.no_grad():
+            block.fc1_weight.mul_(2.0)  # a stale cache must ignore this
+            block.fc2_weight.mul_(2.0)
+        y_again = block(x, is_first_microbatch=False)
+    assert torch.equal(y_first, y_again)
+    with f8.autocast(recipe=recipe):
+        y_fresh = block(x)  # None re-quantizes the (changed) weights
+    assert not torch.equal(y_first, y_fresh)
+    fresh = LayerNormMLP(16, 32)
+    with pytest.raises(ValueError, match="is_first_microbatch=True"), f8.autocast(recipe=recipe):
+        fresh(x, is_first_microbatch=False)
+
+
+@pytest.mark.parametrize("cls", [LayerNormLinear, LayerNormMLP])
+def test_override_all_gemms_to_high_precision_is_plain(cls: type) -> None:
+    torch.manual_seed(14)
+    block = cls(16, 32)
+    x = torch.randn(5, 16)
+    plain = block(x)
+    recipe = DelayedScaling(override_linear_precision=(True, True, True))
+    with f8.autocast(recipe=recipe):
+        assert torch.equal(block(x), plain)
+
+
+def test_bf16_input_and_current_scaling() -> None:
+    torch.manual_seed(15)
+    block = LayerNormMLP(16, 32, dtype=torch.bfloat16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    with f8.autocast(recipe=Float8CurrentScaling()):
+        y = block(x)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+    assert torch.isfinite(y.float()).all() and torch.isfinite(x.grad.float()).all()
+    assert not block.fp8_meta.forward.amax_history.any()  # current scaling keeps no history
+
+
+def test_meta_device_then_to_empty_and_reset() -> None:
+    block = LayerNormMLP(16, 32, device="meta")
+    assert block.fp8_meta.forward.scale.device.type == "meta"
+    block.to_empty(device="cpu")
+    block.reset_parameters()
+    assert block.fp8_meta.forward.scale.device.type == "cpu"
+    assert torch.equal(block.fp8_meta.forward.scale, torch.ones(6))
+    assert torch.equal(block.layer_norm_weight, torch.ones(16))
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=2)):
+        y = block(torch.randn(3, 16))
+    assert torch.isfinite(y).all()
+
+
+def test_reset_parameters_gives_fresh_fp8_state() -> None:
+    block = LayerNormLinear(16, 16)
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=2)):
+        block(torch.randn(2, 16)).sum().backward()
+    assert block.fp8_meta.forward.amax_history.any()
+    block.reset_parameters()
+    assert not block.fp8_meta.forward.amax_history.any()
+    assert block.fp8_meta.forward.history_len == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"normalization": "BatchNorm"}, ValueError, "normalization"),
+        ({"normalization": 3}, TypeError, "normalization"),
+        ({"eps": 0.0}, ValueError, "eps"),
+        ({"eps": "1e-5"}, TypeError, "eps"),
+        ({"bias": 1}, TypeError, "bias"),
+    ],
+)
+def test_constructor_errors_name_the_parameter(kwargs: dict, error: type, name: str) -> None:
+    with pytest.raises(error, match=name):
+        LayerNormLinear(8, 8, **kwargs)
+    with pytest.raises(error, match=name):
+        LayerNormMLP(8, 8, **kwargs)
+
+
+def test_size_and_activation_errors() -> None:
+    with pytest.raises(ValueError, match="in_features"):
+        LayerNormLinear(0, 8)
+    with pytest.raises(TypeError, match="out_features"):
+        LayerNormLinear(8, 8.0)
+    with pytest.raises(ValueError, match="ffn_hidden_size"):
+        LayerNormMLP(8, -1)
+    with pytest.raises(ValueError, match="activation"):
+        LayerNormMLP(8, 8, activation="tanh")
+    assert LayerNormMLP(8, 8, activation="SwiGLU").activation == "swiglu"
+    assert LayerNormLinear(8, 8, normalization="rmsnorm").normalization == "RMSNorm"
+
+
+def test_forward_errors() -> None:
+    block = LayerNormMLP(8, 16)
+    with pytest.raises(TypeError, match="is_first_microbatch"):
+        block(torch.randn(2, 8), is_first_microbatch=1)
+    with pytest.raises(ValueError, match=r"\(\*, 8\)"), f8.autocast():
+        block(torch.randn(2, 9))
+    with pytest.raises(TypeError, match="x must have dtype"), f8.autocast():
+        block(torch.randn(2, 8).double())
+
+
+def test_empty_input_and_repr() -> None:
+    block = LayerNormLinear(8, 4)
+    with f8.autocast():
+        assert block(torch.randn(0, 8)).shape == (0, 4)
+    assert "normalization=LayerNorm" in repr(block)
+    assert "activation=swiglu" in repr(LayerNormMLP(8, 4, activation="swiglu"))
