@@ -14,6 +14,8 @@ from fp8kit.torch.checkpoint import (
 from fp8kit.torch.convert import convert_model
 from fp8kit.torch.distributed import AmaxReductionError, ddp_ignore_fp8_state
 from fp8kit.torch.gemm import Fp8GemmContractError, fp8_matmul, scaled_mm
+from fp8kit.torch.inspect import Inspector
+from fp8kit.torch.layers import LayerNormLinear, LayerNormMLP
 from fp8kit.torch.linear import Linear
 from fp8kit.torch.quantization import Float8Tensor, dequantize, quantize, quantize_current
 from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, ScalingState
@@ -28,6 +30,9 @@ __all__ = [
     "Format",
     "Fp8GemmContractError",
     "FwdSlot",
+    "Inspector",
+    "LayerNormLinear",
+    "LayerNormMLP",
     "Linear",
     "ScalingState",
     "autocast",

@@ -251,7 +251,8 @@ class Linear(nn.Linear):
                 else None
             )
             return self._weight_cache
-        if self._weight_cache is None:
+        fprop, dgrad, _ = (not o for o in run.override)
+        if self._weight_cache is None and (fprop or dgrad):
             raise ValueError(
                 "is_first_microbatch=False reuses the FP8 weight cached by an earlier call with "
                 "is_first_microbatch=True, but there is none: pass True on the first microbatch"

@@ -309,3 +309,14 @@ def test_frozen_first_layer_still_updates_backward_states() -> None:
     loss.backward()
     assert model[1].fp8_meta.backward.update_count[GRAD_OUTPUT].item() == 1
     assert model[0].fp8_meta.backward.update_count[GRAD_OUTPUT].item() == 0
+
+
+def test_weight_cache_not_needed_when_no_gemm_uses_the_fp8_weight() -> None:
+    layer = f8.Linear(16, 16)
+    x = torch.randn(4, 16)
+    recipe = DelayedScaling(override_linear_precision=(True, True, False))
+    with f8.autocast(recipe=recipe):
+        first = layer(x, is_first_microbatch=True)
+        second = layer(x, is_first_microbatch=False)  # no FP8 weight is needed: no error
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    assert layer.fp8_meta.forward.amax_history[:, WEIGHT].abs().sum().item() == 0
