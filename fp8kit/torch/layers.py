@@ -23,11 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8kit.torch.autocast import current_group, current_recipe
-from fp8kit.torch.linear import fp8_linear, prepare_run
-from fp8kit.torch.quantization import Float8Tensor, check_high_precision
+from fp8kit.torch.linear import (
+    cached_fp8_weights,
+    check_is_first_microbatch,
+    fp8_linear,
+    fp8_run_for,
+)
+from fp8kit.torch.quantization import Float8Tensor
 from fp8kit.torch.quantizer import FP8Run
-from fp8kit.torch.state import FP8Meta, FwdSlot, fwd_slot
+from fp8kit.torch.state import FP8Meta
 
 __all__ = ["ACTIVATIONS", "NORMALIZATIONS", "LayerNormLinear", "LayerNormMLP"]
 
@@ -68,11 +72,6 @@ def _check_eps(value: Any) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"eps must be a positive finite float, got {value!r}")
     return float(value)
-
-
-def _check_microbatch(value: Any) -> None:
-    if not (value is None or isinstance(value, bool)):
-        raise TypeError(f"is_first_microbatch must be None, True or False, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,46 +135,13 @@ class _FP8Block(nn.Module):
 
     def _fp8_run(self, x: torch.Tensor, in_features: int, ref: torch.Tensor) -> FP8Run | None:
         """The FP8 run for this call, or None to take the plain high-precision path."""
-        recipe = current_recipe()
-        if recipe is None:
-            return None
-        check_high_precision(x, "x")
-        if x.shape[-1:] != (in_features,):
-            raise ValueError(
-                f"x must have shape (*, {in_features}) for this {type(self).__name__}, "
-                f"got {tuple(x.shape)}"
-            )
-        if x.device != ref.device:
-            raise ValueError(
-                f"x is on {x.device} but the parameters are on {ref.device}: move one of them"
-            )
-        if x.numel() == 0:
-            return None
-        return prepare_run(self.fp8_meta, recipe, current_group(), self._run_cache)
+        return fp8_run_for(self, x, in_features, ref)
 
     def _cached_weights(
         self, run: FP8Run, is_first_microbatch: bool | None, weights: list[torch.Tensor]
     ) -> list[Float8Tensor | None]:
         """FP8 weights to reuse per GEMM (``is_first_microbatch`` semantics of SPEC section 4)."""
-        if is_first_microbatch is None:
-            self._weight_cache = [None] * len(weights)
-            return self._weight_cache
-        if is_first_microbatch:
-            fprop, dgrad, _ = (not o for o in run.override)
-            self._weight_cache = [
-                run.quantize_forward(w.detach(), fwd_slot(g, FwdSlot.WEIGHT))
-                if (fprop or dgrad)
-                else None
-                for g, w in enumerate(weights)
-            ]
-            return self._weight_cache
-        fprop, dgrad, _ = (not o for o in run.override)
-        if (fprop or dgrad) and any(w is None for w in self._weight_cache):
-            raise ValueError(
-                "is_first_microbatch=False reuses the FP8 weights cached by an earlier call with "
-                "is_first_microbatch=True, but there are none: pass True on the first microbatch"
-            )
-        return self._weight_cache
+        return cached_fp8_weights(run, is_first_microbatch, weights, self._weight_cache)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +214,7 @@ class LayerNormLinear(_FP8Block):
         self, x: torch.Tensor, is_first_microbatch: bool | None = None
     ) -> torch.Tensor:
         """``(*, in_features)`` -> ``(*, out_features)``."""
-        _check_microbatch(is_first_microbatch)
+        check_is_first_microbatch(is_first_microbatch)
         run = self._fp8_run(x, self.in_features, self.weight)
         h = normalize(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps)
         if run is None:
@@ -342,7 +308,7 @@ class LayerNormMLP(_FP8Block):
         self, x: torch.Tensor, is_first_microbatch: bool | None = None
     ) -> torch.Tensor:
         """``(*, hidden_size)`` -> ``(*, hidden_size)``."""
-        _check_microbatch(is_first_microbatch)
+        check_is_first_microbatch(is_first_microbatch)
         run = self._fp8_run(x, self.hidden_size, self.fc1_weight)
         h = normalize(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps)
         if run is None:

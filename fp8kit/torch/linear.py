@@ -21,7 +21,14 @@ from fp8kit.torch.quantization import Float8Tensor, check_high_precision
 from fp8kit.torch.quantizer import FP8Run
 from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, bwd_slot, fwd_slot
 
-__all__ = ["Linear", "fp8_linear", "prepare_run"]
+__all__ = [
+    "Linear",
+    "cached_fp8_weights",
+    "check_is_first_microbatch",
+    "fp8_linear",
+    "fp8_run_for",
+    "prepare_run",
+]
 
 
 def prepare_run(meta: FP8Meta, recipe: Any, group: Any, cache: dict[str, Any]) -> FP8Run:
@@ -39,9 +46,61 @@ def prepare_run(meta: FP8Meta, recipe: Any, group: Any, cache: dict[str, Any]) -
     return FP8Run(recipe, group, meta, torch.is_grad_enabled())
 
 
-def _needs_fp8(run: FP8Run) -> tuple[bool, bool, bool]:
-    fprop, dgrad, wgrad = (not o for o in run.override)
-    return fprop, dgrad, wgrad
+def check_is_first_microbatch(value: object) -> None:
+    """Raise a TypeError unless ``value`` is None, True or False."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"is_first_microbatch must be None, True or False, got {value!r}")
+
+
+def fp8_run_for(
+    module: nn.Module, x: torch.Tensor, in_features: int, param: torch.Tensor
+) -> FP8Run | None:
+    """Validate ``x`` for an FP8 module call and return its run, or None for high precision.
+
+    ``module`` owns ``fp8_meta`` and ``_run_cache``; ``param`` is one of its parameters (for the
+    device check). None outside an enabled autocast and for empty inputs.
+    """
+    recipe = current_recipe()
+    if recipe is None:
+        return None
+    check_high_precision(x, "x")
+    if x.shape[-1:] != (in_features,):
+        raise ValueError(
+            f"x must have shape (*, {in_features}) for this {type(module).__name__} "
+            f"(in_features={in_features}), got {tuple(x.shape)}"
+        )
+    if x.device != param.device:
+        raise ValueError(
+            f"x is on {x.device} but the parameters are on {param.device}: move one of them"
+        )
+    if x.numel() == 0:
+        return None
+    return prepare_run(module.fp8_meta, recipe, current_group(), module._run_cache)
+
+
+def cached_fp8_weights(
+    run: FP8Run,
+    is_first_microbatch: bool | None,
+    weights: list[torch.Tensor],
+    cache: list[Float8Tensor | None],
+) -> list[Float8Tensor | None]:
+    """FP8 weights to reuse, one per GEMM (``is_first_microbatch`` semantics, SPEC section 4).
+
+    None: nothing cached (every call quantizes and records). True: quantize now, record, and keep
+    in ``cache`` (updated in place). False: reuse ``cache`` without recording.
+    """
+    if is_first_microbatch is None:
+        cache[:] = [None] * len(weights)
+    elif is_first_microbatch:
+        cache[:] = [run.quantize_weight(w.detach(), g) for g, w in enumerate(weights)]
+    else:
+        fprop, dgrad, _ = run.fp8_gemms
+        if (fprop or dgrad) and (len(cache) != len(weights) or any(w is None for w in cache)):
+            raise ValueError(
+                "is_first_microbatch=False reuses the FP8 weights cached by an earlier call with "
+                "is_first_microbatch=True, but there are none: pass True on the first microbatch"
+            )
+    return cache
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -59,14 +118,13 @@ class _LinearFunction(torch.autograd.Function):
         fp8_output: bool,
         fp8_grad: bool,
     ) -> torch.Tensor:
-        fprop_fp8, dgrad_fp8, wgrad_fp8 = _needs_fp8(run)
-        wgrad_needed = weight.requires_grad
+        fprop_fp8, dgrad_fp8, wgrad_fp8 = run.fp8_gemms
+        wgrad_fp8 = wgrad_fp8 and weight.requires_grad
         x_fp8 = None
-        if fprop_fp8 or (wgrad_fp8 and wgrad_needed):
-            x_fp8 = run.quantize_forward(x, fwd_slot(gemm, FwdSlot.INPUT))
-        w_fp8 = cached_weight
-        if w_fp8 is None and (fprop_fp8 or dgrad_fp8):
-            w_fp8 = run.quantize_forward(weight, fwd_slot(gemm, FwdSlot.WEIGHT))
+        if fprop_fp8 or wgrad_fp8:
+            # wgrad reads x^T row-major: written by the same pass as the FP8 copy of x.
+            x_fp8 = run.quantize_forward(x, fwd_slot(gemm, FwdSlot.INPUT), transpose=wgrad_fp8)
+        w_fp8 = cached_weight if cached_weight is not None else run.quantize_weight(weight, gemm)
         if fprop_fp8:
             y = padded_mm(x_fp8, w_fp8.t(), torch.float32)  # type: ignore[union-attr]
             if bias is not None:
@@ -84,29 +142,33 @@ class _LinearFunction(torch.autograd.Function):
         ctx.x_dtype = x.dtype
         ctx.x_fp8_meta = None if x_fp8 is None else (x_fp8.scale_inv, x_fp8.amax)
         ctx.w_fp8_meta = None if w_fp8 is None else (w_fp8.scale_inv, w_fp8.amax)
+        # Saved: FP8 x^T (wgrad), FP8 W^T (dgrad), both row-major; x itself only for a
+        # high-precision wgrad.
         ctx.save_for_backward(
-            x_fp8.data if (x_fp8 is not None and wgrad_fp8) else None,
-            x if not wgrad_fp8 else None,
-            w_fp8.data if (w_fp8 is not None and dgrad_fp8) else None,
+            x_fp8.data_t if wgrad_fp8 else None,  # type: ignore[union-attr]
+            x if not run.fp8_gemms[2] else None,
+            w_fp8.data_t if dgrad_fp8 else None,  # type: ignore[union-attr]
             weight,
         )
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        x_fp8_data, x_hp, w_fp8_data, weight = ctx.saved_tensors
+        x_t, x_hp, w_t, weight = ctx.saved_tensors
         run: FP8Run = ctx.run
-        _, dgrad_fp8, wgrad_fp8 = _needs_fp8(run)
+        _, dgrad_fp8, wgrad_fp8 = run.fp8_gemms
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy = dy.contiguous()
         dy_fp8 = None
         if (dgrad_fp8 and need_dx) or (wgrad_fp8 and need_dw):
-            dy_fp8 = run.quantize_backward(dy, bwd_slot(ctx.gemm, BwdSlot.GRAD_OUTPUT))
+            slot = bwd_slot(ctx.gemm, BwdSlot.GRAD_OUTPUT)
+            dy_fp8 = run.quantize_backward(dy, slot, transpose=wgrad_fp8 and need_dw)
 
         dx = dw = db = None
         if need_dx:
             if dgrad_fp8:
-                w_fp8 = Float8Tensor(w_fp8_data, *ctx.w_fp8_meta)
+                # B = W (N, K) column-major, i.e. the row-major W^T seen transposed.
+                w_fp8 = Float8Tensor(w_t.t(), *ctx.w_fp8_meta)
                 dx = padded_mm(dy_fp8, w_fp8, torch.float32)  # type: ignore[arg-type]
             else:
                 dx = dy.to(torch.float32) @ weight.to(torch.float32)
@@ -116,8 +178,10 @@ class _LinearFunction(torch.autograd.Function):
                 dx = run.quantize_backward(dx, slot).dequantize(dx.dtype)
         if need_dw:
             if wgrad_fp8:
-                x_fp8 = Float8Tensor(x_fp8_data, *ctx.x_fp8_meta)
-                dw = padded_mm(dy_fp8.t(), x_fp8, torch.float32)  # type: ignore[union-attr]
+                # A = dY^T (N, M) row-major; B = x (M, K) column-major (x^T seen transposed).
+                dy_t = Float8Tensor(dy_fp8.data_t, dy_fp8.scale_inv)  # type: ignore[union-attr]
+                x_fp8 = Float8Tensor(x_t.t(), *ctx.x_fp8_meta)
+                dw = padded_mm(dy_t, x_fp8, torch.float32)
             else:
                 dw = dy.to(torch.float32).t() @ x_hp.to(torch.float32)
             dw = dw.to(weight.dtype)
@@ -188,7 +252,7 @@ class Linear(nn.Linear):
         self.fp8_output = fp8_output
         self.fp8_grad = fp8_grad
         self.fp8_meta = FP8Meta(num_gemms=1, device=device)
-        self._weight_cache: Float8Tensor | None = None
+        self._weight_cache: list[Float8Tensor | None] = [None]
         self._run_cache: dict[str, Any] = {}
 
     def reset_parameters(self) -> None:
@@ -199,7 +263,7 @@ class Linear(nn.Linear):
                 history_len=self.fp8_meta.forward.history_len,
                 device=self.weight.device,
             )
-            self._weight_cache = None
+            self._weight_cache = [None]
 
     # Under torch.compile the FP8 call runs eagerly (one explicit graph break per call): the
     # autocast context, the staging records and the update events are Python-side state that a
@@ -208,27 +272,11 @@ class Linear(nn.Linear):
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, is_first_microbatch: bool | None = None
     ) -> torch.Tensor:
-        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
-            raise TypeError(
-                f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}"
-            )
-        recipe = current_recipe()
-        if recipe is None:
+        check_is_first_microbatch(is_first_microbatch)
+        run = fp8_run_for(self, x, self.in_features, self.weight)
+        if run is None:
             return super().forward(x)
-        check_high_precision(x, "x")
-        if x.shape[-1:] != (self.in_features,):
-            raise ValueError(
-                f"x must have shape (*, {self.in_features}) for in_features={self.in_features}, "
-                f"got {tuple(x.shape)}"
-            )
-        if x.device != self.weight.device:
-            raise ValueError(
-                f"x is on {x.device} but the weight is on {self.weight.device}: move one of them"
-            )
-        if x.numel() == 0:
-            return super().forward(x)
-        run = prepare_run(self.fp8_meta, recipe, current_group(), self._run_cache)
-        cached = self._cached_weight(run, is_first_microbatch)
+        (cached,) = cached_fp8_weights(run, is_first_microbatch, [self.weight], self._weight_cache)
         return fp8_linear(
             x,
             self.weight,
@@ -238,26 +286,6 @@ class Linear(nn.Linear):
             fp8_output=self.fp8_output,
             fp8_grad=self.fp8_grad,
         )
-
-    def _cached_weight(self, run: FP8Run, is_first_microbatch: bool | None) -> Float8Tensor | None:
-        if is_first_microbatch is None:
-            self._weight_cache = None
-            return None
-        if is_first_microbatch:
-            fprop, dgrad, _ = (not o for o in run.override)
-            self._weight_cache = (
-                run.quantize_forward(self.weight.detach(), FwdSlot.WEIGHT)
-                if (fprop or dgrad)
-                else None
-            )
-            return self._weight_cache
-        fprop, dgrad, _ = (not o for o in run.override)
-        if self._weight_cache is None and (fprop or dgrad):
-            raise ValueError(
-                "is_first_microbatch=False reuses the FP8 weight cached by an earlier call with "
-                "is_first_microbatch=True, but there is none: pass True on the first microbatch"
-            )
-        return self._weight_cache
 
     def extra_repr(self) -> str:
         extra = super().extra_repr()

@@ -24,6 +24,7 @@ __all__ = [
     "fp8_format_of",
     "quantize",
     "quantize_current",
+    "quantize_with_scale",
     "torch_dtype_of",
 ]
 
@@ -72,11 +73,14 @@ class Float8Tensor:
         data: the FP8 payload (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``), any shape.
         scale_inv: float32 0-d tensor; real value = ``data * scale_inv``.
         amax: float32 0-d tensor, ``max |x|`` of the high-precision input (None if unknown).
+        data_t: for 2-D data from a transposing cast, a row-major copy of ``data.t()`` (the
+            layout a GEMM needs when this tensor is its transposed operand), else None.
     """
 
     data: torch.Tensor
     scale_inv: torch.Tensor
     amax: torch.Tensor | None = None
+    data_t: torch.Tensor | None = None
 
     @property
     def fp8_format(self) -> FP8Format:
@@ -251,13 +255,38 @@ def current_scale(amax: torch.Tensor, fmt: FP8Format, power_2_scale: bool = Fals
     return compute_scale(amax, one, fmt.max, margin=0, power_2_scale=power_2_scale)
 
 
-def quantize_current(
-    x: torch.Tensor, fp8_dtype: torch.dtype | FP8Format, power_2_scale: bool = False
+def quantize_with_scale(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: FP8Format,
+    scale_inv: torch.Tensor,
+    transpose: bool = False,
 ) -> Float8Tensor:
-    """Current scaling: quantize ``x`` with ``fmax / max|x|`` (two reads of ``x``)."""
+    """:func:`cast_to_fp8` into a :class:`Float8Tensor`; with ``transpose`` (2-D ``x`` only) the
+    same read of ``x`` also writes ``data_t``, the row-major transpose a GEMM operand needs."""
+    if transpose:
+        from fp8kit.torch.kernels import cast_to_fp8_transpose
+
+        data, data_t, amax = cast_to_fp8_transpose(x, scale, fmt)
+        return Float8Tensor(data, scale_inv, amax, data_t)
+    data, amax = cast_to_fp8(x, scale, fmt)
+    return Float8Tensor(data, scale_inv, amax)
+
+
+def quantize_current(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype | FP8Format,
+    power_2_scale: bool = False,
+    transpose: bool = False,
+) -> Float8Tensor:
+    """Current scaling: quantize ``x`` with ``fmax / max|x|`` (two reads of ``x``).
+
+    ``transpose`` (2-D ``x``): also produce ``data_t`` in the casting pass.
+    """
     check_high_precision(x)
     fmt = fp8_format_of(fp8_dtype)
     amax = nan_ignoring_amax(x)
     scale = current_scale(amax, fmt, power_2_scale)
-    data, _ = cast_to_fp8(x, scale, fmt)
-    return Float8Tensor(data, torch.reciprocal(scale), amax)
+    q = quantize_with_scale(x, scale, fmt, torch.reciprocal(scale), transpose)
+    q.amax = amax
+    return q
