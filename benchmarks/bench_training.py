@@ -63,23 +63,29 @@ def _train_step(
 
 
 def _floor_step(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Step:
-    """The FP8 GEMMs of one step on operands quantized once, outside the timing."""
+    """The FP8 GEMMs of one step on operands quantized once, outside the timing, in the layouts
+    the GEMMs read (x, W^T-as-column-major W, dY, dY^T, x^T: what f8.Linear's casts produce)."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    e4, e5 = torch.float8_e4m3fn, torch.float8_e5m2
     gemms = []
     act = x
     for lin in linears:
-        xq = f8.quantize(act, 1.0, torch.float8_e4m3fn)
-        wq = f8.quantize(lin.weight.detach(), 1.0, torch.float8_e4m3fn)
         g = grad if lin is linears[-1] else torch.randn(act.shape[0], lin.out_features)
-        gq = f8.quantize(g, 1.0, torch.float8_e5m2)
-        gemms.append((xq, wq, gq))
+        act = act.detach()
+        xq = f8.quantize(act, 1.0, e4)
+        wq = f8.quantize(lin.weight.detach(), 1.0, e4)
+        gq = f8.quantize(g, 1.0, e5)
+        xt = f8.quantize(act.t().contiguous(), 1.0, e4)
+        wt = f8.quantize(lin.weight.detach().t().contiguous(), 1.0, e4)
+        gt = f8.quantize(g.t().contiguous(), 1.0, e5)
+        gemms.append((xq, wq.t(), gq, wt.t(), gt, xt.t()))
         act = torch.randn(act.shape[0], lin.out_features)
 
     def step() -> None:
-        for xq, wq, gq in gemms:
-            padded_mm(xq, wq.t(), torch.float32)  # fprop
-            padded_mm(gq, wq, torch.float32)  # dgrad
-            padded_mm(gq.t(), xq, torch.float32)  # wgrad
+        for xq, w_cm, gq, wt_cm, gt, x_cm in gemms:
+            padded_mm(xq, w_cm, torch.float32)  # fprop: x @ W^T
+            padded_mm(gq, wt_cm, torch.float32)  # dgrad: dY @ W
+            padded_mm(gt, x_cm, torch.float32)  # wgrad: dY^T @ x
 
     return step
 
@@ -109,7 +115,7 @@ def _scaled_mm_slowdown(n: int = 128) -> float:
 def build_variants(kind: str, sizes: dict[str, int]) -> tuple[dict[str, Step], list[str]]:
     """The step function of every variant that runs here, and notes on those that don't."""
     tokens, hidden = sizes["tokens"], sizes["hidden"]
-    x = torch.randn(tokens, hidden)
+    x = torch.randn(tokens, hidden, requires_grad=True)  # dX is computed, as inside a network
     grad = torch.randn(tokens, hidden)
     notes: list[str] = []
     torch.manual_seed(0)
@@ -119,7 +125,10 @@ def build_variants(kind: str, sizes: dict[str, int]) -> tuple[dict[str, Step], l
     bf16_slow = _bf16_slowdown()
     if bf16_slow < 8:
         variants["bf16 nn.Linear"] = _train_step(
-            _layers(kind, sizes).bfloat16(), x.bfloat16(), grad.bfloat16(), None
+            _layers(kind, sizes).bfloat16(),
+            x.detach().bfloat16().requires_grad_(),
+            grad.bfloat16(),
+            None,
         )
     else:
         notes.append(
