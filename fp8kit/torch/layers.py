@@ -123,6 +123,12 @@ class _FP8Block(nn.Module):
         self._weight_cache: list[Float8Tensor | None] = [None] * len(self.fp8_gemm_names)
         self._run_cache: dict[str, Any] = {}
 
+    def _reset_norm(self) -> None:
+        """Norm weight 1 and (LayerNorm) bias 0."""
+        nn.init.ones_(self.layer_norm_weight)
+        if self.layer_norm_bias is not None:
+            nn.init.zeros_(self.layer_norm_bias)
+
     def _reset_fp8(self, device: torch.device) -> None:
         """Fresh FP8 state (after ``reset_parameters``, e.g. following ``to_empty()``)."""
         if "fp8_meta" in self._modules:
@@ -203,9 +209,7 @@ class LayerNormLinear(_FP8Block):
 
     def reset_parameters(self) -> None:
         """Norm weight 1, norm bias 0, Linear as ``torch.nn.Linear``; fresh FP8 state."""
-        nn.init.ones_(self.layer_norm_weight)
-        if self.layer_norm_bias is not None:
-            nn.init.zeros_(self.layer_norm_bias)
+        self._reset_norm()
         _init_linear(self.weight, self.bias)
         self._reset_fp8(self.weight.device)
 
@@ -296,9 +300,7 @@ class LayerNormMLP(_FP8Block):
 
     def reset_parameters(self) -> None:
         """Norm weight 1, norm bias 0, fc1/fc2 as ``torch.nn.Linear``; fresh FP8 state."""
-        nn.init.ones_(self.layer_norm_weight)
-        if self.layer_norm_bias is not None:
-            nn.init.zeros_(self.layer_norm_bias)
+        self._reset_norm()
         _init_linear(self.fc1_weight, self.fc1_bias)
         _init_linear(self.fc2_weight, self.fc2_bias)
         self._reset_fp8(self.fc1_weight.device)
