@@ -22,10 +22,9 @@ from fp8kit.jax.quantization import (
     dequantize,
     fp8_format_of,
 )
+from fp8kit.matmul_args import ACTIVATIONS, check_matmul_args
 
 __all__ = ["ACTIVATIONS", "fp8_matmul"]
-
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 
 
 def _apply_activation(y: jax.Array, activation: str | None) -> jax.Array:
@@ -66,17 +65,9 @@ def fp8_matmul(
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, Float8Array):
             raise TypeError(f"{name} must be a Float8Array, got {type(t).__name__}")
-        if t.data.ndim != 2:
-            raise ValueError(f"{name} must be 2-D, got shape {t.shape}")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"a is {a.shape} and b is {b.shape}: inner sizes differ")
-    if activation is not None and activation not in ACTIVATIONS:
-        raise ValueError(
-            f"activation must be None or one of {list(ACTIVATIONS)}, got {activation!r}"
-        )
-    if out_scale is None and out_fp8_dtype is not None:
-        raise ValueError("out_fp8_dtype is given but out_scale is None: pass both for FP8 output")
-    m, n = a.shape[0], b.shape[1]
+    m, n = check_matmul_args(
+        a.shape, b.shape, activation, out_scale is not None, out_fp8_dtype is not None
+    )
     y = lax.dot_general(
         dequantize(a),
         dequantize(b),

@@ -14,6 +14,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from fp8kit.matmul_args import ACTIVATIONS, check_matmul_args
 from fp8kit.torch.quantization import (
     HIGH_PRECISION_DTYPES,
     Float8Tensor,
@@ -34,7 +35,6 @@ __all__ = [
 ]
 
 GEMM_ALIGNMENT = 16
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 
 
 class Fp8GemmContractError(ValueError):
@@ -206,9 +206,7 @@ def _apply_activation(y: torch.Tensor, activation: str | None) -> torch.Tensor:
         return torch.relu(y)
     if activation == "gelu":
         return F.gelu(y)
-    if activation == "gelu_tanh":
-        return F.gelu(y, approximate="tanh")
-    raise ValueError(f"activation must be None or one of {list(ACTIVATIONS)}, got {activation!r}")
+    return F.gelu(y, approximate="tanh")  # "gelu_tanh" (validated by check_matmul_args)
 
 
 def fp8_matmul(
@@ -240,17 +238,9 @@ def fp8_matmul(
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, Float8Tensor):
             raise TypeError(f"{name} must be a Float8Tensor, got {type(t).__name__}")
-        if t.data.dim() != 2:
-            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(f"a is {tuple(a.shape)} and b is {tuple(b.shape)}: inner sizes differ")
-    if activation is not None and activation not in ACTIVATIONS:
-        raise ValueError(
-            f"activation must be None or one of {list(ACTIVATIONS)}, got {activation!r}"
-        )
-    if out_scale is None and out_fp8_dtype is not None:
-        raise ValueError("out_fp8_dtype is given but out_scale is None: pass both for FP8 output")
-    m, n = a.shape[0], b.shape[1]
+    m, n = check_matmul_args(
+        a.shape, b.shape, activation, out_scale is not None, out_fp8_dtype is not None
+    )
     y = padded_mm(a, b, torch.float32)
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.shape not in ((n,), (m, n)):

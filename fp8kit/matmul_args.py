@@ -1,0 +1,43 @@
+"""Argument rules of the low-level ``fp8_matmul`` (SPEC 7), shared by every frontend."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["ACTIVATIONS", "check_activation", "check_matmul_args"]
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
+"""Activations ``fp8_matmul`` can apply after the bias."""
+
+
+def check_activation(activation: str | None) -> None:
+    """Raise a ValueError unless ``activation`` is None or one of :data:`ACTIVATIONS`."""
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(
+            f"activation must be None or one of {list(ACTIVATIONS)}, got {activation!r}"
+        )
+
+
+def check_matmul_args(
+    a_shape: Sequence[int],
+    b_shape: Sequence[int],
+    activation: str | None,
+    has_out_scale: bool,
+    has_out_fp8_dtype: bool,
+) -> tuple[int, int]:
+    """Check the framework-free arguments of ``fp8_matmul(a, b)``; return ``(M, N)``.
+
+    Args:
+        a_shape / b_shape: shapes of the 2-D operands ``(M, K)`` and ``(K, N)``.
+        activation: the requested activation.
+        has_out_scale / has_out_fp8_dtype: whether those keyword arguments were given.
+    """
+    for name, shape in (("a", a_shape), ("b", b_shape)):
+        if len(shape) != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(shape)}")
+    if a_shape[1] != b_shape[0]:
+        raise ValueError(f"a is {tuple(a_shape)} and b is {tuple(b_shape)}: inner sizes differ")
+    check_activation(activation)
+    if has_out_fp8_dtype and not has_out_scale:
+        raise ValueError("out_fp8_dtype is given but out_scale is None: pass both for FP8 output")
+    return a_shape[0], b_shape[1]
