@@ -78,8 +78,8 @@ def _require_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
 
 
-def _coerce_override(value: Any) -> tuple[bool, bool, bool]:
-    name = "override_linear_precision"
+def _coerce_gemm_flags(name: str, value: Any) -> tuple[bool, bool, bool]:
+    """``value`` as a tuple of 3 bools (fprop, dgrad, wgrad), else a TypeError naming ``name``."""
     if not isinstance(value, (tuple, list)) or len(value) != 3:
         raise TypeError(f"{name} must be a tuple of 3 bools (fprop, dgrad, wgrad), got {value!r}")
     for part, flag in zip(("fprop", "dgrad", "wgrad"), value, strict=True):
@@ -93,13 +93,13 @@ class _RecipeBase:
 
     fp8_format: Format
     override_linear_precision: tuple[bool, bool, bool]
+    fast_accumulation: tuple[bool, bool, bool]
     power_2_scale: bool
 
     def _validate_common(self) -> None:
         object.__setattr__(self, "fp8_format", Format.coerce(self.fp8_format))
-        object.__setattr__(
-            self, "override_linear_precision", _coerce_override(self.override_linear_precision)
-        )
+        for name in ("override_linear_precision", "fast_accumulation"):
+            object.__setattr__(self, name, _coerce_gemm_flags(name, getattr(self, name)))
         _require_bool("power_2_scale", self.power_2_scale)
 
     def to_dict(self) -> dict[str, Any]:
@@ -129,6 +129,10 @@ class DelayedScaling(_RecipeBase):
         amax_compute_algo: ``"max"``, ``"most_recent"`` or ``callable(history[L, n]) -> amax[n]``.
         scaling_factor_compute_algo: None or ``callable(amax, old_scale, fp8_max, recipe)``.
         override_linear_precision: (fprop, dgrad, wgrad); True runs that GEMM in high precision.
+        fast_accumulation: (fprop, dgrad, wgrad); True lets cuBLASLt accumulate that FP8 GEMM in
+            its fast mode (Hopper's reduced-precision accumulator), False keeps full float32
+            (split) accumulation. Default as Transformer Engine: fast fprop, exact dgrad/wgrad.
+            Performance only: no delayed-scaling number depends on it, and CPU GEMMs ignore it.
         reduce_amax: all-reduce (MAX) the amaxes over the autocast's group before every update.
         power_2_scale: round every new scale down to a power of two.
         first_step_scaling: ``"unity"`` (scale 1 until a slot has history) or ``"current"``
@@ -142,6 +146,7 @@ class DelayedScaling(_RecipeBase):
     amax_compute_algo: str | Callable[..., Any] = "max"
     scaling_factor_compute_algo: Callable[..., Any] | None = None
     override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+    fast_accumulation: tuple[bool, bool, bool] = (True, False, False)
     reduce_amax: bool = True
     power_2_scale: bool = False
     first_step_scaling: str = "unity"
@@ -201,10 +206,12 @@ class Float8CurrentScaling(_RecipeBase):
     """FP8 current scaling: every tensor is quantized with ``fmax / max|x|`` of itself.
 
     No history, no state updates; each cast reads the tensor twice (amax, then cast).
+    ``fast_accumulation`` as in :class:`DelayedScaling`.
     """
 
     fp8_format: Format = Format.HYBRID
     override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+    fast_accumulation: tuple[bool, bool, bool] = (True, False, False)
     power_2_scale: bool = False
 
     def __post_init__(self) -> None:
@@ -250,6 +257,7 @@ def recipe_from_dict(data: dict[str, Any]) -> Recipe:
     for key in ("amax_compute_algo", "scaling_factor_compute_algo"):
         if isinstance(kwargs.get(key), dict):
             kwargs[key] = _resolve_callable(key, kwargs[key])
-    if isinstance(kwargs.get("override_linear_precision"), list):
-        kwargs["override_linear_precision"] = tuple(kwargs["override_linear_precision"])
+    for key in ("override_linear_precision", "fast_accumulation"):
+        if isinstance(kwargs.get(key), list):
+            kwargs[key] = tuple(kwargs[key])
     return _RECIPE_TYPES[data["type"]](**kwargs)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8kit.matmul_args import ACTIVATIONS, check_matmul_args
+from fp8kit.torch import kernels
 from fp8kit.torch.quantization import (
     HIGH_PRECISION_DTYPES,
     Float8Tensor,
@@ -27,7 +28,9 @@ __all__ = [
     "CPU_GEMM_BACKENDS",
     "GEMM_ALIGNMENT",
     "Fp8GemmContractError",
+    "check_bias_contract",
     "cpu_gemm_backend",
+    "fp8_gemm",
     "fp8_matmul",
     "pad_to_alignment",
     "scaled_mm",
@@ -35,6 +38,7 @@ __all__ = [
 ]
 
 GEMM_ALIGNMENT = 16
+FUSED_BIAS_DTYPES = (torch.bfloat16, torch.float16)  # output dtypes cuBLASLt adds a bias to
 
 
 class Fp8GemmContractError(ValueError):
@@ -90,15 +94,38 @@ def check_gemm_contract(a: Float8Tensor, b: Float8Tensor) -> None:
     _check_scale("b", b.scale_inv, b.device)
 
 
+def check_bias_contract(bias: torch.Tensor, n: int, out_dtype: torch.dtype) -> None:
+    """Raise :class:`Fp8GemmContractError` unless cuBLASLt can fuse ``bias`` into the GEMM.
+
+    cuBLASLt adds a bias only to a bfloat16 / float16 output, from a bias of the output's dtype
+    (``torch._scaled_mm`` refuses a bias with a float32 output).
+    """
+    if bias.shape != (n,):
+        raise Fp8GemmContractError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    if out_dtype not in FUSED_BIAS_DTYPES or bias.dtype != out_dtype:
+        raise Fp8GemmContractError(
+            f"a fused bias needs out_dtype bfloat16 or float16 and a bias of that dtype, got "
+            f"out_dtype={out_dtype} and bias dtype {bias.dtype} (add a float32 bias after the GEMM)"
+        )
+
+
 def scaled_mm(
-    a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype = torch.float32
+    a: Float8Tensor,
+    b: Float8Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    *,
+    bias: torch.Tensor | None = None,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
-    """``(a.data @ b.data) * a.scale_inv * b.scale_inv`` with float32 accumulation.
+    """``(a.data @ b.data) * a.scale_inv * b.scale_inv (+ bias)`` with float32 accumulation.
 
     Args:
         a: ``(M, K)`` row-major FP8 operand.
         b: ``(K, N)`` column-major FP8 operand.
         out_dtype: float32, bfloat16 or float16.
+        bias: ``(N,)`` bias fused into the GEMM's epilogue (out_dtype bfloat16 / float16 and a
+            bias of that dtype only, as cuBLASLt; see :func:`check_bias_contract`).
+        use_fast_accum: cuBLASLt's fast FP8 accumulation (CUDA only; CPU GEMMs are exact).
 
     Returns:
         ``(M, N)`` tensor of ``out_dtype``.
@@ -108,18 +135,56 @@ def scaled_mm(
         raise TypeError(
             f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}"
         )
-    if a.device.type == "cpu" and cpu_gemm_backend() == "dequant":
-        return _dequant_mm(a, b, out_dtype)
-    return torch._scaled_mm(
-        a.data,
-        b.data,
-        scale_a=a.scale_inv.reshape(()),
-        scale_b=b.scale_inv.reshape(()),
-        out_dtype=out_dtype,
+    if bias is not None:
+        check_bias_contract(bias, b.shape[1], out_dtype)
+    return fp8_gemm(
+        a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, bias=bias, fast_accum=use_fast_accum
     )
 
 
-def _dequant_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def fp8_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    bias: torch.Tensor | None = None,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """The unchecked GEMM behind :func:`scaled_mm`, for callers that meet the contract by
+    construction (the modules' hot path): one ``torch._scaled_mm`` on CUDA.
+
+    Args:
+        a: FP8 ``(M, K)`` row-major; b: FP8 ``(K, N)`` column-major.
+        a_scale_inv, b_scale_inv: float32 one-element tensors (dequantization factors).
+        out_dtype: dtype of the result; bias: ``(N,)`` of ``out_dtype`` (bfloat16 / float16
+            output only) or None; fast_accum: cuBLASLt fast accumulation.
+
+    Returns:
+        ``(M, N)`` tensor of ``out_dtype``.
+    """
+    if a.device.type == "cpu" and cpu_gemm_backend() == "dequant":
+        return _dequant_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
+    return torch._scaled_mm(
+        a,
+        b,
+        scale_a=a_scale_inv.reshape(()),
+        scale_b=b_scale_inv.reshape(()),
+        bias=bias,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
+
+
+def _dequant_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     """The same GEMM as ``_scaled_mm`` from exactly upcast operands: every FP8 value and every
     product of two FP8 values is exact in float32, so only the float32 accumulation order can
     differ from ``_scaled_mm``.
@@ -127,11 +192,11 @@ def _dequant_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> tor
     The upcasts (``data.to(torch.float32)``, unscaled, same layout: B stays column-major) run in
     the native kernel where it is built (:func:`fp8kit.torch.kernels.dequantize_fp8`, the same
     bits, 4-15x faster than torch's conversion on this CPU); the scale_inv product is applied
-    after the GEMM as before, so results do not change."""
-    from fp8kit.torch import kernels  # cached module lookup after the first call
-
-    acc = kernels.dequantize_fp8(a.data) @ kernels.dequantize_fp8(b.data)
-    out = acc.mul_(a.scale_inv.reshape(()) * b.scale_inv.reshape(()))
+    after the GEMM, then the bias in float32, then one rounding to ``out_dtype``."""
+    acc = kernels.dequantize_fp8(a) @ kernels.dequantize_fp8(b)
+    out = acc.mul_(a_scale_inv.reshape(()) * b_scale_inv.reshape(()))
+    if bias is not None:
+        out = out.add_(bias)
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
@@ -190,10 +255,22 @@ def as_column_major(t: Float8Tensor) -> Float8Tensor:
     return Float8Tensor(data, t.scale_inv, t.amax)
 
 
-def padded_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b`` for any shapes and layouts: pad to the contract, multiply, slice back."""
+def padded_mm(
+    a: Float8Tensor,
+    b: Float8Tensor,
+    out_dtype: torch.dtype,
+    *,
+    bias: torch.Tensor | None = None,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """``a @ b (+ bias)`` for any shapes and layouts: pad to the contract, multiply, slice back.
+
+    ``bias`` ``(N,)`` follows :func:`scaled_mm`'s rule (zero-padded to the padded N)."""
     m, n = a.shape[0], b.shape[1]
-    out = scaled_mm(as_row_major(a), as_column_major(b), out_dtype)
+    a_p, b_p = as_row_major(a), as_column_major(b)
+    if bias is not None and b_p.shape[1] != n:
+        bias = F.pad(bias, (0, b_p.shape[1] - n))
+    out = scaled_mm(a_p, b_p, out_dtype, bias=bias, use_fast_accum=use_fast_accum)
     if out.shape != (m, n):
         out = out[:m, :n].contiguous()
     return out

@@ -16,9 +16,9 @@ from torch import nn
 
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch.autocast import current_group, current_recipe
-from fp8kit.torch.gemm import padded_mm
+from fp8kit.torch.gemm import FUSED_BIAS_DTYPES, GEMM_ALIGNMENT, fp8_gemm, padded_mm
 from fp8kit.torch.quantization import Float8Tensor, check_high_precision
-from fp8kit.torch.quantizer import FP8Run
+from fp8kit.torch.quantizer import FP8Run, plan_for
 from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, bwd_slot, fwd_slot
 
 __all__ = [
@@ -32,18 +32,29 @@ __all__ = [
 
 
 def prepare_run(meta: FP8Meta, recipe: Any, group: Any, cache: dict[str, Any]) -> FP8Run:
-    """Bring ``meta`` in line with ``recipe`` (history length, recorded recipe) and return a run."""
-    if isinstance(recipe, DelayedScaling):
-        if meta.forward.history_len != recipe.amax_history_len:
-            meta.set_history_len(
-                recipe.amax_history_len, f"recipe amax_history_len={recipe.amax_history_len}"
-            )
-        if cache.get("recipe") is not recipe:
-            cache["recipe"] = recipe
+    """Bring ``meta`` in line with ``recipe`` (history length, recorded recipe) and return a run.
+
+    ``cache`` (the module's ``_run_cache``) remembers the last recipe, so the steady state costs
+    one identity test: the history length and recorded recipe are bound once per recipe.
+    """
+    if cache.get("recipe") is not recipe:
+        if isinstance(recipe, DelayedScaling):
+            if meta.forward.history_len != recipe.amax_history_len:
+                meta.set_history_len(
+                    recipe.amax_history_len, f"recipe amax_history_len={recipe.amax_history_len}"
+                )
             data = recipe.to_dict()
             meta.forward.recipe_data = data
             meta.backward.recipe_data = data
-    return FP8Run(recipe, group, meta, torch.is_grad_enabled())
+        cache["recipe"] = recipe
+        cache["plan"] = plan_for(recipe)
+    elif isinstance(recipe, DelayedScaling) and (
+        meta.forward.history_len != recipe.amax_history_len
+    ):  # loaded from a checkpoint with another L since the last call
+        meta.set_history_len(
+            recipe.amax_history_len, f"recipe amax_history_len={recipe.amax_history_len}"
+        )
+    return FP8Run(cache["plan"], group, meta, torch.is_grad_enabled())
 
 
 def check_is_first_microbatch(value: object) -> None:
@@ -103,8 +114,56 @@ def cached_fp8_weights(
     return cache
 
 
+def _aligned(*dims: int) -> bool:
+    return not any(d % GEMM_ALIGNMENT for d in dims)
+
+
+def _gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    fast_accum: bool,
+) -> torch.Tensor:
+    """``a @ b * a_scale_inv * b_scale_inv (+ bias)`` rounded once to ``out_dtype``.
+
+    ``a`` (M, K) row-major and ``b`` (K, N) column-major FP8. Aligned shapes take one
+    ``_scaled_mm`` with the bias in its epilogue where cuBLASLt allows it (bias of the output's
+    bfloat16/float16 dtype); otherwise the GEMM writes float32, the bias is added in float32 and
+    the sum is rounded once, as before. Unaligned shapes are zero-padded (:func:`padded_mm`).
+    """
+    fuse = bias is not None and out_dtype in FUSED_BIAS_DTYPES and bias.dtype == out_dtype
+    gemm_dtype = out_dtype if bias is None or fuse else torch.float32
+    gemm_bias = bias if fuse else None
+    if _aligned(a.shape[0], a.shape[1], b.shape[1]):
+        y = fp8_gemm(
+            a, b, a_scale_inv, b_scale_inv, gemm_dtype, bias=gemm_bias, fast_accum=fast_accum
+        )
+    else:
+        y = padded_mm(
+            Float8Tensor(a, a_scale_inv),
+            Float8Tensor(b, b_scale_inv),
+            gemm_dtype,
+            bias=gemm_bias,
+            use_fast_accum=fast_accum,
+        )
+    if bias is not None and not fuse:
+        y = y.add_(bias)
+        if out_dtype != torch.float32:
+            y = y.to(out_dtype)
+    return y
+
+
 class _LinearFunction(torch.autograd.Function):
-    """Autograd function of one FP8 Linear on a 2-D input ``(M, K)``."""
+    """Autograd function of one FP8 Linear on a 2-D input ``(M, K)``.
+
+    Kernels per call on CUDA (FP8 GEMMs, delayed scaling, bias of the activation dtype): forward
+    = cast x (FP8 x, x^T, amax into its staging entry) + cast W (skipped for a cached weight) +
+    one GEMM with the bias fused; backward = cast dY (FP8 dY, dY^T, amax, bias gradient) + two
+    GEMMs. See docs/performance.md.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -120,16 +179,22 @@ class _LinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         fprop_fp8, dgrad_fp8, wgrad_fp8 = run.fp8_gemms
         wgrad_fp8 = wgrad_fp8 and weight.requires_grad
+        x = x.contiguous()
         x_fp8 = None
         if fprop_fp8 or wgrad_fp8:
             # wgrad reads x^T row-major: written by the same pass as the FP8 copy of x.
             x_fp8 = run.quantize_forward(x, fwd_slot(gemm, FwdSlot.INPUT), transpose=wgrad_fp8)
         w_fp8 = cached_weight if cached_weight is not None else run.quantize_weight(weight, gemm)
         if fprop_fp8:
-            y = padded_mm(x_fp8, w_fp8.t(), torch.float32)  # type: ignore[union-attr]
-            if bias is not None:
-                y = y + bias.to(torch.float32)
-            y = y.to(x.dtype)
+            y = _gemm(
+                x_fp8.data,  # type: ignore[union-attr]
+                w_fp8.data.t(),  # type: ignore[union-attr]
+                x_fp8.scale_inv,  # type: ignore[union-attr]
+                w_fp8.scale_inv,  # type: ignore[union-attr]
+                x.dtype,
+                bias,
+                run.plan.fast_accum[0],
+            )
         else:
             y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         if fp8_output:
@@ -140,8 +205,8 @@ class _LinearFunction(torch.autograd.Function):
         ctx.fp8_grad = fp8_grad
         ctx.has_bias = bias is not None
         ctx.x_dtype = x.dtype
-        ctx.x_fp8_meta = None if x_fp8 is None else (x_fp8.scale_inv, x_fp8.amax)
-        ctx.w_fp8_meta = None if w_fp8 is None else (w_fp8.scale_inv, w_fp8.amax)
+        ctx.x_scale_inv = None if x_fp8 is None else x_fp8.scale_inv
+        ctx.w_scale_inv = None if w_fp8 is None else w_fp8.scale_inv
         # Saved: FP8 x^T (wgrad), FP8 W^T (dgrad), both row-major; x itself only for a
         # high-precision wgrad.
         ctx.save_for_backward(
@@ -157,36 +222,56 @@ class _LinearFunction(torch.autograd.Function):
         x_t, x_hp, w_t, weight = ctx.saved_tensors
         run: FP8Run = ctx.run
         _, dgrad_fp8, wgrad_fp8 = run.fp8_gemms
+        _, fast_dgrad, fast_wgrad = run.plan.fast_accum
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        need_db = need_db and ctx.has_bias
         dy = dy.contiguous()
-        dy_fp8 = None
+        dy_fp8 = db = None
         if (dgrad_fp8 and need_dx) or (wgrad_fp8 and need_dw):
             slot = bwd_slot(ctx.gemm, BwdSlot.GRAD_OUTPUT)
-            dy_fp8 = run.quantize_backward(dy, slot, transpose=wgrad_fp8 and need_dw)
+            dy_fp8, db = run.quantize_backward(
+                dy, slot, transpose=wgrad_fp8 and need_dw, dbias=need_db
+            )
 
-        dx = dw = db = None
+        dx = dw = None
         if need_dx:
             if dgrad_fp8:
                 # B = W (N, K) column-major, i.e. the row-major W^T seen transposed.
-                w_fp8 = Float8Tensor(w_t.t(), *ctx.w_fp8_meta)
-                dx = padded_mm(dy_fp8, w_fp8, torch.float32)  # type: ignore[arg-type]
+                dx = _gemm(
+                    dy_fp8.data,  # type: ignore[union-attr]
+                    w_t.t(),
+                    dy_fp8.scale_inv,  # type: ignore[union-attr]
+                    ctx.w_scale_inv,
+                    ctx.x_dtype,
+                    None,
+                    fast_dgrad,
+                )
             else:
-                dx = dy.to(torch.float32) @ weight.to(torch.float32)
-            dx = dx.to(ctx.x_dtype)
+                dx = (dy.to(torch.float32) @ weight.to(torch.float32)).to(ctx.x_dtype)
             if ctx.fp8_grad:
                 slot = bwd_slot(ctx.gemm, BwdSlot.GRAD_INPUT)
-                dx = run.quantize_backward(dx, slot).dequantize(dx.dtype)
+                dx = run.quantize_backward(dx, slot)[0].dequantize(dx.dtype)
         if need_dw:
             if wgrad_fp8:
                 # A = dY^T (N, M) row-major; B = x (M, K) column-major (x^T seen transposed).
-                dy_t = Float8Tensor(dy_fp8.data_t, dy_fp8.scale_inv)  # type: ignore[union-attr]
-                x_fp8 = Float8Tensor(x_t.t(), *ctx.x_fp8_meta)
-                dw = padded_mm(dy_t, x_fp8, torch.float32)
+                dw = _gemm(
+                    dy_fp8.data_t,  # type: ignore[union-attr]
+                    x_t.t(),
+                    dy_fp8.scale_inv,  # type: ignore[union-attr]
+                    ctx.x_scale_inv,
+                    weight.dtype,
+                    None,
+                    fast_wgrad,
+                )
             else:
-                dw = dy.to(torch.float32).t() @ x_hp.to(torch.float32)
-            dw = dw.to(weight.dtype)
-        if need_db and ctx.has_bias:
-            db = dy.to(torch.float32).sum(0).to(weight.dtype)
+                dw = (dy.to(torch.float32).t() @ x_hp.to(torch.float32)).to(weight.dtype)
+        if need_db:
+            if db is None:  # dY was not cast (both GEMMs high precision or not needed)
+                db = dy.to(torch.float32).sum(0)
+            if db.dtype != weight.dtype:
+                db = db.to(weight.dtype)
+        else:
+            db = None
         return dx, dw, db, None, None, None, None, None
 
 

@@ -86,10 +86,14 @@ class ScalingState(nn.Module):
         self.registry: Any = None
         self._pool: Any = None
         self._pool_views: tuple[torch.Tensor, ...] = ()
+        # Per-slot views (scale, staging entry, update count) for the hot path, valid while the
+        # buffers they view are the current ones (see slot_views).
+        self._slot_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._slot_views_of: tuple[torch.Tensor, ...] = ()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(registry=None, _pool=None, _pool_views=())
+        state.update(registry=None, _pool=None, _pool_views=(), _slot_views={}, _slot_views_of=())
         return state
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -148,6 +152,26 @@ class ScalingState(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - not callable
         raise RuntimeError("ScalingState holds buffers only; it is not meant to be called")
+
+    def slot_views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(scale[slot], amax_history[0, slot], update_count[slot])`` as one-element views.
+
+        The casting kernel reads the scale and folds the amax into the staging entry through
+        them; they are made once per slot and buffer set (a few attribute reads per call).
+        """
+        bufs = self._buffers
+        history, scale, count = bufs["amax_history"], bufs["scale"], bufs["update_count"]
+        of = self._slot_views_of
+        if not of or of[0] is not history or of[1] is not scale or of[2] is not count:
+            self._slot_views, self._slot_views_of = {}, (history, scale, count)
+        views = self._slot_views.get(slot)
+        if views is None:
+            views = self._slot_views[slot] = (
+                scale[slot : slot + 1],
+                history[0, slot : slot + 1],
+                count[slot : slot + 1],
+            )
+        return views
 
     def record_amax(self, slot: int, amax: torch.Tensor) -> None:
         """Fold ``amax`` (float32 0-d) into the staging row: ``H[0, slot] = max(H[0, slot], a)``."""

@@ -776,13 +776,16 @@ def test_dequant_mm_unchanged_and_uses_kernel(monkeypatch: pytest.MonkeyPatch) -
         b = Float8Tensor((torch.randn(n, k, generator=gen) * 30).to(fb).t(), _scale(3.0 / 448))
         for out_dtype in DTYPES:
             calls.clear()
-            got = gemm._dequant_mm(a, b, out_dtype)
+            got = gemm._dequant_mm(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, None)
             acc = a.data.to(torch.float32) @ b.data.to(torch.float32)
             want = acc.mul_(a.scale_inv * b.scale_inv).to(out_dtype)
             assert torch.equal(got, want), (fa, fb, out_dtype)
             assert got.dtype == out_dtype
             assert calls == [(k, 1), (1, k)]  # row-major A, column-major B, no copies
-        assert torch.equal(gemm.scaled_mm(a, b), gemm._dequant_mm(a, b, torch.float32))
+        assert torch.equal(
+            gemm.scaled_mm(a, b),
+            gemm._dequant_mm(a.data, b.data, a.scale_inv, b.scale_inv, torch.float32, None),
+        )
 
 
 def test_native_dequantize_errors() -> None:

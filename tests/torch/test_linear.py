@@ -25,17 +25,26 @@ def qdq(x: torch.Tensor, scale: float, fmt: FP8Format) -> np.ndarray:
 
 
 class CountGemms:
-    """Counts FP8 GEMMs through fp8kit's contract-checking entry ``gemm.scaled_mm``."""
+    """Counts FP8 GEMMs at fp8kit's one GEMM entry ``gemm.fp8_gemm`` (both CPU backends and
+    CUDA end there), recording each call's keyword arguments."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
-        real = gemm.scaled_mm
+        self.kwargs: list[dict] = []
+        real_scaled_mm, real_dequant_mm = torch._scaled_mm, gemm._dequant_mm
 
-        def counting(*args, **kwargs):
+        def counting_scaled_mm(*args, **kwargs):
             self.calls += 1
-            return real(*args, **kwargs)
+            self.kwargs.append(kwargs)
+            return real_scaled_mm(*args, **kwargs)
 
-        monkeypatch.setattr(gemm, "scaled_mm", counting)
+        def counting_dequant_mm(a, b, sa, sb, out_dtype, bias):
+            self.calls += 1
+            self.kwargs.append({"out_dtype": out_dtype, "bias": bias})
+            return real_dequant_mm(a, b, sa, sb, out_dtype, bias)
+
+        monkeypatch.setattr(torch, "_scaled_mm", counting_scaled_mm)
+        monkeypatch.setattr(gemm, "_dequant_mm", counting_dequant_mm)
 
 
 def _rel(a: torch.Tensor | np.ndarray, b: np.ndarray) -> float:

@@ -1,0 +1,61 @@
+"""TEMPORARY stand-in for the fused kernel API (replaced by fp8kit.torch.kernels at merge)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from fp8kit.torch.quantization import (
+    current_scale,
+    fp8_format_of,
+    nan_ignoring_amax,
+    quantize_with_scale,
+)
+
+
+class CastResult(NamedTuple):
+    data: torch.Tensor
+    data_t: torch.Tensor | None
+    amax: torch.Tensor | None
+    scale_inv: torch.Tensor
+    dbias: torch.Tensor | None
+
+
+def cast_fp8(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    transpose: bool = False,
+    amax_out: torch.Tensor | None = None,
+    dbias: bool = False,
+    first_step_current: torch.Tensor | None = None,
+) -> CastResult:
+    fmt = fp8_format_of(fp8_dtype)
+    if first_step_current is not None:
+        cur = current_scale(nan_ignoring_amax(x), fmt)
+        scale = torch.where(first_step_current.reshape(()) > 0, scale.reshape(()), cur)
+    scale_inv = torch.reciprocal(scale.reshape(()))
+    q = quantize_with_scale(x, scale.reshape(()), fmt, scale_inv, transpose)
+    if amax_out is not None:
+        amax_out.clamp_(min=q.amax)
+    db = x.to(torch.float32).sum(0).to(x.dtype) if dbias else None
+    return CastResult(q.data, q.data_t, q.amax, scale_inv, db)
+
+
+def cast_fp8_current(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    power_2_scale: bool = False,
+    transpose: bool = False,
+    dbias: bool = False,
+) -> CastResult:
+    fmt = fp8_format_of(fp8_dtype)
+    amax = nan_ignoring_amax(x)
+    scale = current_scale(amax, fmt, power_2_scale)
+    scale_inv = torch.reciprocal(scale)
+    q = quantize_with_scale(x, scale, fmt, scale_inv, transpose)
+    db = x.to(torch.float32).sum(0).to(x.dtype) if dbias else None
+    return CastResult(q.data, q.data_t, amax, scale_inv, db)
