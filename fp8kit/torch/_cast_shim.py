@@ -59,3 +59,39 @@ def cast_fp8_current(
     q = quantize_with_scale(x, scale, fmt, scale_inv, transpose)
     db = x.to(torch.float32).sum(0).to(x.dtype) if dbias else None
     return CastResult(q.data, q.data_t, amax, scale_inv, db)
+
+
+def delayed_update_(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    count: torch.Tensor,
+    *,
+    fmax: float,
+    margin: float,
+    interval: int,
+    algo: str,
+    power_2_scale: bool,
+    ran: torch.Tensor | None = None,
+    nonfinite_count: torch.Tensor | None = None,
+) -> None:
+    from fp8kit.recipe import DelayedScaling
+    from fp8kit.torch.scaling import update_scaling_state
+
+    recipe = DelayedScaling(
+        margin=margin, interval=interval, amax_compute_algo=algo, power_2_scale=power_2_scale,
+        amax_history_len=history.shape[0],
+    )
+    kept = None
+    if ran is not None:
+        kept = history[0].clone()
+        history[0] = torch.where(ran, history[0], 0.0)
+    if nonfinite_count is not None:
+        nonfinite_count.add_(torch.isinf(history[0]).to(nonfinite_count.dtype))
+    h, s, c = update_scaling_state(history, scale, count, recipe, fmax)
+    if kept is not None:
+        h[0] = torch.where(ran, h[0], kept)
+    history.copy_(h)
+    scale.copy_(s)
+    count.copy_(c)
+    torch.reciprocal(s, out=scale_inv)

@@ -69,8 +69,8 @@ def _fp8_tensor_keys(model: nn.Module) -> list[str]:
     """State-dict keys of every FP8 state tensor of ``model`` (histories, scales, counts)."""
     keys = []
     for prefix, meta in fp8_metas(model):
-        for name, _ in meta.named_buffers():
-            if "scale_inv" not in name:  # derived, not saved
+        for name, value in meta.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.Tensor):  # persistent buffers (derived ones are not saved)
                 keys.append(f"{prefix}.{name}" if prefix else name)
     return keys
 

@@ -1,11 +1,11 @@
 """Contiguous storage for the scaling states of one registry (DESIGN principle 2).
 
-A :class:`StatePool` holds ``history (L, N)``, ``scale (N,)``, ``scale_inv (N,)`` and
-``update_count (N,)`` for all its member states side by side; each member's buffers are views of
-its columns. An update event then runs a fixed number of tensor ops on the pool, with no per-module
-gather or scatter. A member whose buffers stop being those views (moved to another device, loaded
-with another history length, resized) is noticed at the next event and the pool is rebuilt from
-the members' current values.
+A :class:`StatePool` holds ``history (L, N)``, ``scale (N,)``, ``scale_inv (N,)``,
+``update_count (N,)`` and ``nonfinite_count (N,)`` for all its member states side by side;
+each member's buffers are views of its columns. An update event then runs a fixed number of
+tensor ops on the pool, with no per-module gather or scatter. A member whose buffers stop being
+those views (moved to another device, loaded with another history length, resized) is noticed at
+the next event and the pool is rebuilt from the members' current values.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from fp8kit.torch.state import ScalingState
 
 __all__ = ["StatePool"]
 
+_MAX_CACHED_MASKS = 64
+
 
 class StatePool:
     """The buffers of ``states`` (one device, one history length) laid side by side."""
@@ -30,6 +32,8 @@ class StatePool:
         self.scale = torch.ones(0)
         self.scale_inv = torch.ones(0)
         self.update_count = torch.zeros(0, dtype=torch.int64)
+        self.nonfinite_count = torch.zeros(0, dtype=torch.int64)
+        self._masks: dict[frozenset[int], torch.Tensor] = {}  # slot_mask cache (device tensors)
 
     @property
     def num_slots(self) -> int:
@@ -69,6 +73,8 @@ class StatePool:
             self.scale = torch.cat([s.scale for s in states])
             self.scale_inv = torch.cat([s.scale_inv for s in states])
             self.update_count = torch.cat([s.update_count for s in states])
+            self.nonfinite_count = torch.cat([s.nonfinite_count for s in states])
+        self._masks = {}
         self._members = [weakref.ref(s) for s in states]
         offset = 0
         for state in states:
@@ -79,16 +85,27 @@ class StatePool:
                 self.scale[cols],
                 self.scale_inv[cols],
                 self.update_count[cols],
+                self.nonfinite_count[cols],
             )
             offset += state.num_slots
         self.dirty = False
 
     def slot_mask(self, chosen: Sequence[ScalingState]) -> torch.Tensor:
-        """Boolean ``(N,)`` mask of the columns of the ``chosen`` member states."""
-        wanted = {id(s) for s in chosen}
-        flags = []
-        for ref in self._members:
-            state = ref()
-            if state is not None:
-                flags += [id(state) in wanted] * state.num_slots
-        return torch.tensor(flags, dtype=torch.bool, device=self.history.device)
+        """Boolean ``(N,)`` device mask of the columns of the ``chosen`` member states.
+
+        Cached per set of states until the pool is rebuilt: a host-to-device copy from pageable
+        memory blocks the host, so a recurring pattern (e.g. the same experts idle) copies once.
+        """
+        wanted = frozenset(id(s) for s in chosen)
+        mask = self._masks.get(wanted)
+        if mask is None:
+            flags = []
+            for ref in self._members:
+                state = ref()
+                if state is not None:
+                    flags += [id(state) in wanted] * state.num_slots
+            mask = torch.tensor(flags, dtype=torch.bool).to(self.history.device)
+            if len(self._masks) >= _MAX_CACHED_MASKS:  # patterns keep changing: stay bounded
+                self._masks.clear()
+            self._masks[wanted] = mask
+        return mask

@@ -15,6 +15,21 @@ __all__ = ["compute_scale", "new_scale", "update_scaling_state"]
 
 _POW2_CAP_EXPONENT = 127  # largest power of two in float32
 
+_constants: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+
+def _constant(value: float, device: torch.device) -> torch.Tensor:
+    """A float32 0-d tensor holding ``value`` on ``device``, made once per (value, device).
+
+    ``torch.tensor(value, device=cuda)`` inside a step is a host-to-device copy from pageable
+    memory, which blocks the host; a cached constant costs nothing after the first call.
+    """
+    key = (value, device)
+    t = _constants.get(key)
+    if t is None:
+        t = _constants[key] = torch.tensor(value, dtype=torch.float32, device=device)
+    return t
+
 
 def compute_scale(
     amax: torch.Tensor,
@@ -47,7 +62,7 @@ def compute_scale(
         exponent = torch.clamp(exponent - margin, max=_POW2_CAP_EXPONENT)
         scale = torch.exp2(exponent).to(torch.float32)
     else:
-        numerator = torch.tensor(fmax * 2.0 ** (-margin), dtype=torch.float32, device=amax.device)
+        numerator = _constant(fmax * 2.0 ** (-margin), amax.device)
         scale = numerator / safe_amax  # float32 / float32: one correctly rounded division
         scale = torch.where(torch.isinf(scale), FLOAT32_MAX, scale)
     return torch.where(usable, scale, old_scale)
@@ -63,7 +78,7 @@ def new_scale(
     """
     if recipe.scaling_factor_compute_algo is None:
         return compute_scale(amax, old_scale, fmax, recipe.margin, recipe.power_2_scale)
-    fmax_t = torch.tensor(fmax, dtype=torch.float32, device=amax.device)
+    fmax_t = _constant(fmax, amax.device)
     result = recipe.scaling_factor_compute_algo(amax, old_scale, fmax_t, recipe)
     result = _checked_callable_output("scaling_factor_compute_algo", result, amax)
     return torch.where(torch.isfinite(result) & (result > 0), result, old_scale)
@@ -119,7 +134,7 @@ def update_scaling_state(
     ran = current != 0
     amax = window_amax(history, recipe)
     rolled = torch.roll(history, shifts=-1, dims=0)
-    rolled[0] = 0.0
+    rolled[0].zero_()
     new_history = torch.where(ran, rolled, history)
     new_counts = counts + ran.to(counts.dtype)
     recompute = ran & ((new_counts - 1) % recipe.interval == 0)

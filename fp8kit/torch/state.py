@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 DEFAULT_HISTORY_LEN = 1024
-_BUFFER_NAMES = ("amax_history", "scale", "scale_inv", "update_count")
+_BUFFER_NAMES = ("amax_history", "scale", "scale_inv", "update_count", "nonfinite_count")
 _EXTRA_STATE_VERSION = 1
 
 
@@ -56,12 +56,15 @@ class ScalingState(nn.Module):
         scale: float32 ``(n,)``, the factor applied before casting to FP8.
         scale_inv: float32 ``(n,)``, ``1 / scale`` (derived, not saved).
         update_count: int64 ``(n,)``, number of non-skipped update events per slot.
+        nonfinite_count: int64 ``(n,)``, number of update events whose amax was infinite (such a
+            value freezes the slot's scale while it is in the window; diagnostic, not saved).
     """
 
     amax_history: torch.Tensor
     scale: torch.Tensor
     scale_inv: torch.Tensor
     update_count: torch.Tensor
+    nonfinite_count: torch.Tensor
 
     def __init__(
         self,
@@ -77,6 +80,11 @@ class ScalingState(nn.Module):
         self.register_buffer("scale_inv", torch.ones(num_slots, **kw), persistent=False)
         self.register_buffer(
             "update_count", torch.zeros(num_slots, dtype=torch.int64, device=device)
+        )
+        self.register_buffer(
+            "nonfinite_count",
+            torch.zeros(num_slots, dtype=torch.int64, device=device),
+            persistent=False,
         )
         self.recipe_data: dict[str, Any] | None = None
         self._slots_with_history: set[int] = set()
@@ -113,9 +121,10 @@ class ScalingState(nn.Module):
         scale: torch.Tensor,
         scale_inv: torch.Tensor,
         update_count: torch.Tensor,
+        nonfinite_count: torch.Tensor,
     ) -> None:
         """Make the buffers views of ``pool``'s columns (values already copied there)."""
-        views = (history, scale, scale_inv, update_count)
+        views = (history, scale, scale_inv, update_count, nonfinite_count)
         for name, view in zip(_BUFFER_NAMES, views, strict=True):
             self._buffers[name] = view
         self._pool, self._pool_views = pool, views

@@ -33,6 +33,7 @@ import torch
 
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch import distributed
+from fp8kit.torch._cast_shim import delayed_update_
 from fp8kit.torch.distributed import Layout
 from fp8kit.torch.pool import StatePool
 from fp8kit.torch.scaling import update_scaling_state
@@ -71,28 +72,44 @@ def update_states(
 
 
 def _apply_update(
-    pool: StatePool,
-    staging: torch.Tensor,
-    recipe: DelayedScaling,
-    fmax: float,
-    kept_staging: torch.Tensor | None,
+    pool: StatePool, recipe: DelayedScaling, fmax: float, ran: torch.Tensor | None
 ) -> None:
-    """Run the update rule on the whole pool, in place.
+    """Run the update rule on the whole pool, in place, with no host synchronisation.
 
     Args:
-        pool: the pool; its history row 0 is overwritten with ``staging`` first.
-        staging: float32 ``(N,)``, this event's staging row (after any masking and reduction).
-        kept_staging: float32 ``(N,)`` staging to leave in place where the event's staging is 0
-            (a state's own leftover, e.g. from a ``no_grad`` forward, when it did not run).
+        pool: the pool; its history row 0 holds this event's staging row (after any reduction).
+        recipe: the recipe; built-in algorithms run in one fused kernel
+            (``delayed_update_``), callables through the torch rule of :mod:`fp8kit.torch.scaling`.
+        fmax: largest finite value of the pool's format.
+        ran: None when every column takes part in the event, else a boolean ``(N,)`` device mask;
+            False columns are skipped and keep their staging value (e.g. a ``no_grad`` leftover).
     """
+    if isinstance(recipe.amax_compute_algo, str) and recipe.scaling_factor_compute_algo is None:
+        delayed_update_(
+            pool.history,
+            pool.scale,
+            pool.scale_inv,
+            pool.update_count,
+            fmax=fmax,
+            margin=recipe.margin,
+            interval=recipe.interval,
+            algo=recipe.amax_compute_algo,
+            power_2_scale=recipe.power_2_scale,
+            ran=ran,
+            nonfinite_count=pool.nonfinite_count,
+        )
+        return
     history = pool.history
-    if staging is not history[0]:
-        history[0] = staging
+    kept = None
+    if ran is not None:
+        kept = history[0].clone()
+        history[0] = torch.where(ran, history[0], 0.0)
+    pool.nonfinite_count.add_(torch.isinf(history[0]))
     new_history, new_scale, new_count = update_scaling_state(
         history, pool.scale, pool.update_count, recipe, fmax
     )
-    if kept_staging is not None:
-        new_history[0] = torch.where(history[0] == 0, kept_staging, new_history[0])
+    if kept is not None:
+        new_history[0] = torch.where(ran, new_history[0], kept)  # type: ignore[arg-type]
     history.copy_(new_history)
     pool.scale.copy_(new_scale)
     pool.update_count.copy_(new_count)
@@ -229,21 +246,24 @@ class StateRegistry:
             return
         self._sync_pool()
         with torch.no_grad():
+            mask = None
             if self._num_live:
                 local = self.pool.history[0]
                 if len(ran) < self._num_live:  # the others contribute 0; their staging is kept
-                    staging = torch.where(self.pool.slot_mask(ran), local, 0.0)
-                else:
-                    staging = local
+                    mask = self.pool.slot_mask(ran)
             else:  # nothing registered here: still take part (the layout check names this rank)
                 device = distributed.collective_device(self.group, torch.device("cpu"))
-                staging = local = torch.zeros(0, device=device)
+                local = torch.zeros(0, device=device)
             if reduce:
-                staging = self._reduced(staging)
-            if not self._num_live:
-                return
-            kept = local.clone() if staging is not local else None
-            _apply_update(self.pool, staging, self.recipe, fmax, kept)
+                staging = local if mask is None else torch.where(mask, local, 0.0)
+                reduced = self._reduced(staging)
+                if not self._num_live:
+                    return
+                # A slot that ran on any rank rolls on every rank; one that ran nowhere keeps
+                # its own leftover staging.
+                mask = reduced != 0
+                local.copy_(torch.where(mask, reduced, local))
+            _apply_update(self.pool, self.recipe, fmax, mask)
 
     def _reduced(self, staging: torch.Tensor) -> torch.Tensor:
         """``staging`` all-reduced (MAX) over the group, checking layouts where they changed."""

@@ -1,0 +1,270 @@
+"""CPU gates of the GPU hot path (docs/performance.md): kernel budget per Linear step and per
+update event, no host synchronisation, the bias and activation dtype reaching ``_scaled_mm``.
+
+CI has no GPU, so these count what the CUDA path would launch: aten ops that run a kernel (views
+and allocations excluded) plus fp8kit's own fused-kernel calls, with the ``scaled_mm`` CPU GEMM
+backend so each GEMM is one ``torch._scaled_mm`` as on CUDA.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fp8kit.torch as f8
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
+from fp8kit.torch import gemm, quantizer, update
+
+# aten ops that launch no kernel on a GPU (metadata, views, allocation without a fill).
+NO_KERNEL_OPS = {
+    "aten.view.default",
+    "aten._unsafe_view.default",
+    "aten.reshape.default",
+    "aten.t.default",
+    "aten.transpose.int",
+    "aten.select.int",
+    "aten.slice.Tensor",
+    "aten.expand.default",
+    "aten.as_strided.default",
+    "aten.alias.default",
+    "aten.detach.default",
+    "aten.empty.memory_format",
+    "aten.empty_like.default",
+    "aten.empty_strided.default",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.permute.default",
+}
+FUSED_KERNELS = ("cast_fp8", "cast_fp8_current")  # fp8kit's casting kernels (quantizer's names)
+
+
+class _KernelCounter(TorchDispatchMode):
+    """Counts kernel-launching aten ops and fp8kit fused-kernel calls while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = str(func)
+        if name not in NO_KERNEL_OPS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], _KernelCounter]]:
+    """Yields a factory of counters; fused-kernel calls count as one launch each, and the ops
+    they run inside (a pure-torch fallback) do not count."""
+    counters: list[_KernelCounter] = []
+    for name in FUSED_KERNELS:
+        real = getattr(quantizer, name)
+
+        def wrapped(*args, _real=real, _name=name, **kwargs):  # type: ignore[no-untyped-def]
+            for c in counters:
+                c.ops[f"fp8kit.{_name}"] += 1
+            with _Paused(counters):
+                return _real(*args, **kwargs)
+
+        monkeypatch.setattr(quantizer, name, wrapped)
+    real_update = update.delayed_update_
+
+    def wrapped_update(*args, **kwargs):  # type: ignore[no-untyped-def]
+        for c in counters:
+            c.ops["fp8kit.delayed_update_"] += 1
+        with _Paused(counters):
+            return real_update(*args, **kwargs)
+
+    monkeypatch.setattr(update, "delayed_update_", wrapped_update)
+    previous = gemm.cpu_gemm_backend()
+    gemm.set_cpu_gemm_backend("scaled_mm")
+
+    def make() -> _KernelCounter:
+        c = _KernelCounter()
+        counters.append(c)
+        return c
+
+    yield make
+    gemm.set_cpu_gemm_backend(previous)
+
+
+class _Paused:
+    """Stop counting aten ops (a fused kernel's fallback internals) while inside."""
+
+    def __init__(self, counters: list[_KernelCounter]) -> None:
+        self.counters = counters
+        self.saved: list[Counter[str]] = []
+
+    def __enter__(self) -> None:
+        self.saved = [Counter(c.ops) for c in self.counters]
+
+    def __exit__(self, *exc: object) -> None:
+        for c, saved in zip(self.counters, self.saved, strict=True):
+            fused = {k: v for k, v in c.ops.items() if k.startswith("fp8kit.")}
+            c.ops = Counter({k: v for k, v in saved.items() if not k.startswith("fp8kit.")})
+            c.ops.update(fused)
+
+
+def _step(layer: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe: object) -> None:
+    with f8.autocast(recipe=recipe):  # type: ignore[arg-type]
+        y = layer(x)
+    y.backward(dy)
+
+
+RECIPES = {
+    "delayed": DelayedScaling(amax_history_len=16),
+    "delayed-first-step-current": DelayedScaling(amax_history_len=4, first_step_scaling="current"),
+    "current": Float8CurrentScaling(),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe", list(RECIPES.values()), ids=list(RECIPES))
+def test_linear_step_stays_within_eight_kernels(counted, dtype, recipe) -> None:
+    """Forward + backward of one Linear (update events excluded): <= 8 kernels, issue 9."""
+    torch.manual_seed(0)
+    layer = f8.Linear(64, 32, dtype=dtype)
+    x = torch.randn(48, 64, dtype=dtype, requires_grad=True)
+    dy = torch.randn(48, 32, dtype=dtype)
+    for _ in range(2):
+        _step(layer, x, dy, recipe)
+    x.grad = layer.weight.grad = layer.bias.grad = None  # no gradient accumulation kernels
+    c = counted()
+    with c:
+        y = _LayerCall(layer, recipe)(x)
+        y.backward(dy)
+    c.ops.pop("fp8kit.delayed_update_", None)  # the backward update event has its own budget
+    assert c.ops["aten._scaled_mm.default"] == 3
+    assert c.total <= 8, c.ops
+
+
+class _LayerCall:
+    """One FP8 call of ``layer`` with the autocast exit (its update event) outside the count."""
+
+    def __init__(self, layer: torch.nn.Module, recipe: object) -> None:
+        self.layer, self.recipe = layer, recipe
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = f8.autocast(recipe=self.recipe)  # type: ignore[arg-type]
+        ctx.__enter__()
+        try:
+            return self.layer(x)
+        finally:
+            # Leave the region without running its event: the count covers the module call only.
+            ctx._frames[-1].forward_pending.clear()
+            ctx.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("num_modules", [3, 40])
+def test_update_event_is_at_most_three_kernels(counted, num_modules) -> None:
+    """All modules of a (recipe, group, direction) update in one fused kernel, whatever their
+    number; the backward event of the same step likewise."""
+    recipe = DelayedScaling(amax_history_len=8, margin=1, interval=2)
+    layers = [f8.Linear(16, 16) for _ in range(num_modules)]
+    x = torch.randn(16, 16, requires_grad=True)
+    for _ in range(2):  # the first event lays the states out in one pool
+        with f8.autocast(recipe=recipe):
+            y = sum(layer(x).sum() for layer in layers)
+        y.backward()  # type: ignore[union-attr]
+    ctx = f8.autocast(recipe=recipe)
+    ctx.__enter__()
+    y = sum(layer(x).sum() for layer in layers)
+    c = counted()
+    with c:
+        ctx.__exit__(None, None, None)
+    assert c.total <= 3, c.ops
+    assert c.ops["fp8kit.delayed_update_"] == 1
+    c = counted()
+    with c:
+        y.backward()  # type: ignore[union-attr]
+    # The backward event runs inside backward: its ops are the fused update only.
+    assert c.ops["fp8kit.delayed_update_"] == 1
+
+
+class _HostSyncs(TorchDispatchMode):
+    """Records the aten ops that read device values on the host or build tensors from data."""
+
+    SYNC_OPS = ("aten._local_scalar_dense.default", "aten.lift_fresh.default")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if str(func) in self.SYNC_OPS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+HOST_SYNC_RECIPES = {
+    **RECIPES,
+    "interval-most-recent": DelayedScaling(
+        amax_history_len=4, amax_compute_algo="most_recent", interval=3
+    ),
+    "power-2": DelayedScaling(amax_history_len=4, power_2_scale=True, margin=2),
+    "callable": DelayedScaling(amax_history_len=4, amax_compute_algo=lambda h: h.amax(0)),
+    "no-reduce": DelayedScaling(amax_history_len=4, reduce_amax=False),
+}
+
+
+@pytest.mark.parametrize("recipe", list(HOST_SYNC_RECIPES.values()), ids=list(HOST_SYNC_RECIPES))
+def test_training_step_reads_nothing_back_to_the_host(recipe) -> None:
+    """No ``.item()``, ``bool(tensor)``, ``.tolist()`` or tensor-from-Python-data in forward,
+    backward or the update events, including non-finite amaxes and idle modules."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        f8.Linear(32, 32), f8.LayerNormMLP(32, 64), f8.LayerNormLinear(32, 16)
+    )
+    idle = f8.Linear(32, 32)  # runs once, then stays idle: its slots are skipped
+    x = torch.randn(16, 32)
+    with f8.autocast(recipe=recipe):
+        (model(x).sum() + idle(x).sum()).backward()
+    with f8.autocast(recipe=recipe):  # first event with ``idle`` skipped: its mask is made once
+        model(x).sum().backward()
+    for step in range(3):
+        xs = x * float("inf") if step == 1 else x  # a non-finite amax enters the history
+        with _HostSyncs() as syncs:
+            with f8.autocast(recipe=recipe):
+                out = model(xs)
+            out.square().mean().backward()
+        assert syncs.seen == [], f"step {step}: {syncs.seen}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_mm_gets_the_bias_and_the_activation_dtype(dtype, monkeypatch) -> None:
+    """fprop fuses the bias into ``_scaled_mm`` (cuBLASLt allows it for a bfloat16/float16 output
+    only) and every GEMM writes the activation / weight dtype directly."""
+    calls: list[dict] = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    previous = gemm.cpu_gemm_backend()
+    gemm.set_cpu_gemm_backend("scaled_mm")
+    try:
+        layer = f8.Linear(32, 48, dtype=dtype)
+        x = torch.randn(16, 32, dtype=dtype, requires_grad=True)
+        with f8.autocast(recipe=DelayedScaling(amax_history_len=2)):
+            y = layer(x)
+        y.sum().backward()
+    finally:
+        gemm.set_cpu_gemm_backend(previous)
+    fprop, dgrad, wgrad = calls
+    assert [c["out_dtype"] for c in calls] == [dtype] * 3
+    if dtype == torch.bfloat16:
+        assert fprop["bias"] is layer.bias
+    else:
+        assert fprop["bias"] is None
+    assert dgrad["bias"] is None and wgrad["bias"] is None
+    assert [c["use_fast_accum"] for c in calls] == [True, False, False]
