@@ -5,7 +5,7 @@ Delayed-scaling FP8 training: :class:`autocast`, the drop-in :class:`Linear`,
 """
 
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
-from fp8kit.torch.autocast import autocast, current_recipe, is_fp8_enabled
+from fp8kit.torch.autocast import autocast, current_recipe, fp8_autocast, is_fp8_enabled
 from fp8kit.torch.checkpoint import (
     from_per_rank_fp8_state_dict,
     init_fp8_state,
@@ -40,6 +40,7 @@ __all__ = [
     "current_recipe",
     "ddp_ignore_fp8_state",
     "dequantize",
+    "fp8_autocast",
     "fp8_matmul",
     "from_per_rank_fp8_state_dict",
     "init_fp8_state",

@@ -24,7 +24,14 @@ from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from fp8kit.torch.state import ScalingState
 from fp8kit.torch.update import update_states
 
-__all__ = ["autocast", "current_recipe", "is_fp8_enabled"]
+__all__ = [
+    "FP8Settings",
+    "autocast",
+    "current_recipe",
+    "current_settings",
+    "fp8_autocast",
+    "is_fp8_enabled",
+]
 
 
 @dataclass
@@ -64,12 +71,31 @@ def _add_pending(
     _pending_entry(pending, recipe, group, direction).states.setdefault(id(state), state)
 
 
+@dataclass(frozen=True)
+class FP8Settings:
+    """What a module call needs from the innermost active autocast.
+
+    Attributes:
+        recipe: the recipe to quantize (or calibrate) with.
+        group: the amax reduction group (None = WORLD).
+        fp8: True when the GEMMs run in FP8; False in a calibration-only region
+            (``enabled=False, calibrating=True``: high-precision GEMMs that record amaxes).
+        calibrating: record amaxes and update forward scales even without grad.
+    """
+
+    recipe: Recipe
+    group: Any
+    fp8: bool
+    calibrating: bool
+
+
 @dataclass
 class _Frame:
     enabled: bool
     recipe: Recipe
     group: Any
     owns_updates: bool
+    settings: FP8Settings | None  # None: neither FP8 nor calibration in this body
     forward_pending: _Pending = field(default_factory=dict)
 
 
@@ -90,6 +116,17 @@ def _active_frame() -> _Frame | None:
     return None
 
 
+def current_settings() -> FP8Settings | None:
+    """The settings a module call runs under, or None when neither FP8 nor calibration is on.
+
+    The innermost autocast decides: an enabled one runs FP8 (calibrating or not); a disabled one
+    with ``calibrating=True`` runs high precision and records amaxes; a plain disabled one turns
+    both off for its body.
+    """
+    stack = _stack()
+    return stack[-1].settings if stack else None
+
+
 def is_fp8_enabled() -> bool:
     """Whether code running now is inside an enabled ``f8.autocast``."""
     return _active_frame() is not None
@@ -99,12 +136,6 @@ def current_recipe() -> Recipe | None:
     """The recipe of the innermost enabled autocast, or None outside FP8 regions."""
     frame = _active_frame()
     return frame.recipe if frame is not None else None
-
-
-def current_group() -> Any:
-    """The amax reduction group of the innermost enabled autocast (None = WORLD)."""
-    frame = _active_frame()
-    return frame.group if frame is not None else None
 
 
 def register_forward_state(state: ScalingState, recipe: DelayedScaling, group: Any) -> None:
@@ -136,10 +167,15 @@ class autocast(contextlib.ContextDecorator):
             :class:`~fp8kit.recipe.Float8CurrentScaling`.
         amax_reduction_group: ``torch.distributed`` process group whose ranks share amaxes when
             ``recipe.reduce_amax`` is set (None = WORLD).
+        calibrating: record amaxes and update the forward scales even under ``torch.no_grad()``
+            (inference calibration). With ``enabled=False`` the GEMMs run in high precision while
+            the amaxes of their inputs and weights are recorded, as Transformer Engine's
+            calibration mode (docs/semantics.md section 3).
 
-    At the exit of the outermost enabled autocast, if grad mode is on, the forward states of all
-    modules that ran are updated in one batched operation per (recipe, group). If the body raises,
-    no update runs: what was recorded stays staged and joins the next update event.
+    At the exit of the outermost enabled (or calibrating) autocast, if grad mode is on or it
+    calibrates, the forward states of all modules that ran are updated in one batched operation
+    per (recipe, group). If the body raises, no update runs: what was recorded stays staged and
+    joins the next update event.
     """
 
     def __init__(
@@ -147,9 +183,12 @@ class autocast(contextlib.ContextDecorator):
         enabled: bool = True,
         recipe: Recipe | None = None,
         amax_reduction_group: Any = None,
+        calibrating: bool = False,
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"enabled must be a bool, got {enabled!r}")
+        if not isinstance(calibrating, bool):
+            raise TypeError(f"calibrating must be a bool, got {calibrating!r}")
         if recipe is None:
             recipe = DelayedScaling()
         if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
@@ -157,18 +196,28 @@ class autocast(contextlib.ContextDecorator):
                 "recipe must be None, a fp8kit.recipe.DelayedScaling or a "
                 f"fp8kit.recipe.Float8CurrentScaling, got {type(recipe).__name__}"
             )
+        if calibrating and not isinstance(recipe, DelayedScaling):
+            raise ValueError(
+                "calibrating=True needs a DelayedScaling recipe (current scaling keeps no scales "
+                f"to calibrate), got {type(recipe).__name__}"
+            )
         self.enabled = enabled
         self.recipe = recipe
         self.group = amax_reduction_group
+        self.calibrating = calibrating
         self._frames: list[_Frame] = []
 
     def __enter__(self) -> autocast:
         stack = _stack()
-        owns = self.enabled and not any(f.owns_updates for f in stack)
-        frame = _Frame(self.enabled, self.recipe, self.group, owns)
+        active = self.enabled or self.calibrating
+        owns = active and not any(f.owns_updates for f in stack)
+        settings = (
+            FP8Settings(self.recipe, self.group, self.enabled, self.calibrating) if active else None
+        )
+        frame = _Frame(self.enabled, self.recipe, self.group, owns, settings)
         stack.append(frame)
         self._frames.append(frame)
-        if self.enabled and isinstance(self.recipe, DelayedScaling):
+        if active and isinstance(self.recipe, DelayedScaling):
             # Every rank enters the same autocasts, so this fixes the same events, in the same
             # order, on every rank, whichever modules run (needed when events are collectives).
             owner = _owner_frame()
@@ -182,10 +231,30 @@ class autocast(contextlib.ContextDecorator):
         if not stack or stack[-1] is not frame:
             raise RuntimeError("fp8kit.torch.autocast contexts were exited out of order")
         stack.pop()
-        if frame.owns_updates and exc_type is None and torch.is_grad_enabled():
-            for pending in frame.forward_pending.values():
-                pending.run()
-                _arm_backward_update(pending.recipe, pending.group)
+        if frame.owns_updates and exc_type is None:
+            training = torch.is_grad_enabled()
+            if training or self.calibrating:
+                for pending in frame.forward_pending.values():
+                    pending.run()
+                    if training:
+                        _arm_backward_update(pending.recipe, pending.group)
+
+
+def fp8_autocast(
+    enabled: bool = True,
+    calibrating: bool = False,
+    fp8_recipe: Recipe | None = None,
+    fp8_group: Any = None,
+) -> autocast:
+    """Transformer Engine's spelling of :class:`autocast` (``te.fp8_autocast``).
+
+    ``fp8_autocast(enabled, calibrating, fp8_recipe, fp8_group)`` is
+    ``autocast(enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group,
+    calibrating=calibrating)``.
+    """
+    return autocast(
+        enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group, calibrating=calibrating
+    )
 
 
 # ---------------------------------------------------------------------------------------------

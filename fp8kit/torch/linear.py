@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8kit.recipe import DelayedScaling
-from fp8kit.torch.autocast import current_group, current_recipe
+from fp8kit.torch.autocast import FP8Settings, current_settings
 from fp8kit.torch.gemm import FUSED_BIAS_DTYPES, GEMM_ALIGNMENT, fp8_gemm, padded_mm
 from fp8kit.torch.quantization import Float8Tensor, check_high_precision
 from fp8kit.torch.quantizer import FP8Run, plan_for
@@ -31,12 +31,14 @@ __all__ = [
 ]
 
 
-def prepare_run(meta: FP8Meta, recipe: Any, group: Any, cache: dict[str, Any]) -> FP8Run:
-    """Bring ``meta`` in line with ``recipe`` (history length, recorded recipe) and return a run.
+def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> FP8Run:
+    """Bring ``meta`` in line with the recipe of ``settings`` (history length, recorded recipe)
+    and return a run.
 
     ``cache`` (the module's ``_run_cache``) remembers the last recipe, so the steady state costs
     one identity test: the history length and recorded recipe are bound once per recipe.
     """
+    recipe = settings.recipe
     if cache.get("recipe") is not recipe:
         if isinstance(recipe, DelayedScaling):
             if meta.forward.history_len != recipe.amax_history_len:
@@ -54,7 +56,8 @@ def prepare_run(meta: FP8Meta, recipe: Any, group: Any, cache: dict[str, Any]) -
         meta.set_history_len(
             recipe.amax_history_len, f"recipe amax_history_len={recipe.amax_history_len}"
         )
-    return FP8Run(cache["plan"], group, meta, torch.is_grad_enabled())
+    training = settings.calibrating or torch.is_grad_enabled()
+    return FP8Run(cache["plan"], settings.group, meta, training, settings.fp8)
 
 
 def check_is_first_microbatch(value: object) -> None:
@@ -71,8 +74,8 @@ def fp8_run_for(
     ``module`` owns ``fp8_meta`` and ``_run_cache``; ``param`` is one of its parameters (for the
     device check). None outside an enabled autocast and for empty inputs.
     """
-    recipe = current_recipe()
-    if recipe is None:
+    settings = current_settings()
+    if settings is None:
         return None
     check_high_precision(x, "x")
     if x.shape[-1:] != (in_features,):
@@ -86,7 +89,7 @@ def fp8_run_for(
         )
     if x.numel() == 0:
         return None
-    return prepare_run(module.fp8_meta, recipe, current_group(), module._run_cache)
+    return prepare_run(module.fp8_meta, settings, module._run_cache)
 
 
 def cached_fp8_weights(
@@ -299,6 +302,14 @@ def fp8_linear(
     Returns:
         ``(*, N)`` tensor of ``x.dtype``.
     """
+    if not run.fp8:  # calibration without FP8: record the amaxes, compute in high precision
+        run.record_forward(x, fwd_slot(gemm, FwdSlot.INPUT))
+        if cached_weight is None:
+            run.record_forward(weight, fwd_slot(gemm, FwdSlot.WEIGHT))
+        y = F.linear(x, weight, bias)
+        if fp8_output:
+            run.record_forward(y, fwd_slot(gemm, FwdSlot.OUTPUT))
+        return y
     x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     y = _LinearFunction.apply(x2d, weight, bias, run, gemm, cached_weight, fp8_output, fp8_grad)
     # Reshape only when needed: a view of a custom Function's output upsets FSDP2's hooks.

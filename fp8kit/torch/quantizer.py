@@ -18,7 +18,7 @@ from fp8kit.recipe import DelayedScaling, Recipe
 from fp8kit.slots import FwdSlot, fwd_slot
 from fp8kit.torch._cast_shim import cast_fp8, cast_fp8_current
 from fp8kit.torch.autocast import register_forward_state, schedule_backward_update
-from fp8kit.torch.quantization import Float8Tensor, torch_dtype_of
+from fp8kit.torch.quantization import Float8Tensor, nan_ignoring_amax, torch_dtype_of
 from fp8kit.torch.state import FP8Meta, ScalingState
 
 __all__ = ["FP8Run", "RecipePlan", "plan_for", "quantize_slot"]
@@ -141,12 +141,15 @@ class FP8Run:
     """Everything one FP8 forward call of a module needs: recipe plan, group and the module's meta.
 
     ``training``: grad mode (or calibration) at the module call: forward states roll only then.
+    ``fp8``: False in a calibration-only region: GEMMs run in high precision and the module only
+    records amaxes (:meth:`record_forward`).
     """
 
     plan: RecipePlan
     group: Any
     meta: FP8Meta
     training: bool
+    fp8: bool = True
 
     @property
     def recipe(self) -> Recipe:
@@ -185,6 +188,12 @@ class FP8Run:
         if record and self.plan.delayed and self.training:
             register_forward_state(self.meta.forward, self.plan.recipe, self.group)  # type: ignore[arg-type]
         return q
+
+    def record_forward(self, x: torch.Tensor, slot: int) -> None:
+        """Fold ``max |x|`` (NaN ignored) into forward ``slot``'s staging entry, no cast."""
+        self.meta.forward.record_amax(slot, nan_ignoring_amax(x.detach()))
+        if self.plan.delayed and self.training:
+            register_forward_state(self.meta.forward, self.plan.recipe, self.group)  # type: ignore[arg-type]
 
     def quantize_backward(
         self, x: torch.Tensor, slot: int, transpose: bool = False, dbias: bool = False

@@ -68,7 +68,17 @@ def update_states(
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    registry_for(recipe, group, direction).run_event(states, fmax)
+    by_device: dict[torch.device, list[ScalingState]] = {}
+    for state in states:
+        by_device.setdefault(state.amax_history.device, []).append(state)
+    # Each device has its own registry (a pool lives on one device). A device with a registry
+    # but no state this time still runs its event: with reduction it is a collective.
+    for device in _registry_devices(recipe, group, direction):
+        by_device.setdefault(device, [])
+    if not by_device:
+        by_device[None] = []  # type: ignore[index]  # nothing anywhere: still take part
+    for device, ran in by_device.items():
+        registry_for(recipe, group, direction, device).run_event(ran, fmax)
 
 
 def _apply_update(
@@ -120,17 +130,36 @@ def _apply_update(
 # Persistent registries
 
 _lock = threading.Lock()
-_registries: dict[tuple[DelayedScaling, int, str], StateRegistry] = {}
+_registries: dict[tuple[DelayedScaling, int, str, torch.device | None], StateRegistry] = {}
 
 
-def registry_for(recipe: DelayedScaling, group: Any, direction: str) -> StateRegistry:
-    """The persistent registry of ``(recipe, group, direction)`` (created on first use)."""
-    key = (recipe, id(group), direction)
+def registry_for(
+    recipe: DelayedScaling, group: Any, direction: str, device: torch.device | None = None
+) -> StateRegistry:
+    """The persistent registry of ``(recipe, group, direction, device)`` (created on first use).
+
+    ``device`` None is the registry of a rank that has no state of this recipe on any device.
+    """
+    key = (recipe, id(group), direction, device)
     with _lock:
         registry = _registries.get(key)
         if registry is None:
             registry = _registries[key] = StateRegistry(recipe, group, direction)
         return registry
+
+
+def _registry_devices(recipe: DelayedScaling, group: Any, direction: str) -> list[torch.device]:
+    """Devices that have a registry of ``(recipe, group, direction)`` with states in it."""
+    with _lock:
+        return [
+            key[3]
+            for key, registry in _registries.items()
+            if key[0] == recipe
+            and key[1] == id(group)
+            and key[2] == direction
+            and key[3] is not None
+            and registry.has_states()
+        ]
 
 
 class StateRegistry:
@@ -178,6 +207,10 @@ class StateRegistry:
             self._num_live -= 1
             state.registry = None
             self._membership_changed = self._changed = True
+
+    def has_states(self) -> bool:
+        """Whether any live state is registered."""
+        return self._num_live > 0
 
     def states(self) -> list[ScalingState]:
         """The live registered states in order (dropping references to dead ones)."""
@@ -242,7 +275,7 @@ class StateRegistry:
         for state in ran:
             self.register(state)
         reduce = distributed.reduction_active(self.recipe, self.group)
-        if self._num_live == 0 and not reduce:
+        if not ran and not reduce:  # nothing ran here and no collective to take part in
             return
         self._sync_pool()
         with torch.no_grad():

@@ -1,0 +1,107 @@
+"""Calibration (``calibrating=True``), Transformer Engine's ``fp8_autocast`` spelling and one
+registry per device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fp8kit.torch as f8
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
+from fp8kit.torch.state import ScalingState
+from fp8kit.torch.update import update_states
+
+E4M3_MAX = 448.0
+INPUT, WEIGHT, OUTPUT = 0, 1, 2
+
+
+def _expected_scale(amax: float) -> np.float32:
+    """Delayed-scaling scale for a one-entry window, margin 0 (float32 division)."""
+    return np.float32(E4M3_MAX) / np.float32(amax)
+
+
+def _amax(t: torch.Tensor) -> float:
+    return float(t.detach().abs().max())
+
+
+def test_calibrating_updates_forward_scales_under_no_grad() -> None:
+    torch.manual_seed(0)
+    layer = f8.Linear(32, 16)
+    x = torch.randn(8, 32) * 3
+    recipe = DelayedScaling(amax_history_len=1)
+    with torch.no_grad():
+        with f8.autocast(recipe=recipe):  # plain inference: scales never move
+            layer(x)
+        assert layer.fp8_meta.forward.update_count.tolist() == [0, 0, 0]
+        with f8.autocast(recipe=recipe, calibrating=True):
+            layer(x)
+    fwd = layer.fp8_meta.forward
+    # The staging row held max(amax of both calls) = amax(x); L = 1: scale = fmax / amax.
+    assert fwd.scale[INPUT].item() == _expected_scale(_amax(x))
+    assert fwd.scale[WEIGHT].item() == _expected_scale(_amax(layer.weight))
+    assert fwd.update_count.tolist() == [1, 1, 0]  # OUTPUT never quantized: skipped
+    assert layer.fp8_meta.backward.update_count.tolist() == [0, 0]
+
+
+def test_calibration_without_fp8_computes_in_high_precision_and_records() -> None:
+    torch.manual_seed(1)
+    layer = f8.Linear(32, 16)
+    x = torch.randn(8, 32) * 5
+    with torch.no_grad(), f8.fp8_autocast(
+        enabled=False, calibrating=True, fp8_recipe=DelayedScaling(amax_history_len=4)
+    ):
+        y = layer(x)
+    assert torch.equal(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    fwd = layer.fp8_meta.forward
+    assert fwd.scale[INPUT].item() == _expected_scale(_amax(x))
+    assert fwd.scale[WEIGHT].item() == _expected_scale(_amax(layer.weight))
+    assert fwd.amax_history[-1, INPUT].item() == np.float32(_amax(x))
+
+
+def test_calibrated_scales_then_drive_fp8_inference() -> None:
+    torch.manual_seed(2)
+    block = f8.LayerNormMLP(32, 64)
+    x = torch.randn(4, 32) * 7
+    recipe = DelayedScaling(amax_history_len=2)
+    with torch.no_grad():
+        with f8.autocast(enabled=False, recipe=recipe, calibrating=True):
+            ref = block(x)
+        with f8.autocast(recipe=recipe):
+            y = block(x)
+    assert block.fp8_meta.forward.update_count.tolist() == [1, 1, 0, 1, 1, 0]
+    # Each E4M3 operand is off by at most 2^-4 relative per element, so each GEMM's output by
+    # at most ~2 * 2^-4 = 0.125 relative, and the norm-wise error (errors of random sign average
+    # over K = 32 / 64 terms) well below that: 0.1 catches scales that clip or flush.
+    rel = (y - ref).norm() / ref.norm()
+    assert rel < 0.1
+
+
+def test_fp8_autocast_is_autocast_with_te_argument_names() -> None:
+    recipe = DelayedScaling(amax_history_len=3)
+    ctx = f8.fp8_autocast(enabled=True, calibrating=False, fp8_recipe=recipe, fp8_group=None)
+    assert isinstance(ctx, f8.autocast)
+    assert (ctx.enabled, ctx.recipe, ctx.group, ctx.calibrating) == (True, recipe, None, False)
+    layer = f8.Linear(16, 16)
+    with ctx:
+        layer(torch.randn(4, 16))
+    assert layer.fp8_meta.forward.update_count.tolist() == [1, 1, 0]
+
+
+def test_bad_calibrating_arguments_name_the_parameter() -> None:
+    with pytest.raises(TypeError, match="calibrating must be a bool, got 1"):
+        f8.autocast(calibrating=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="calibrating=True needs a DelayedScaling recipe"):
+        f8.autocast(recipe=Float8CurrentScaling(), calibrating=True)
+
+
+def test_one_recipe_on_two_devices_updates_each_on_its_own() -> None:
+    """States of one recipe on different devices get one registry (and pool) per device."""
+    recipe = DelayedScaling(amax_history_len=2)
+    cpu_state = ScalingState(1, history_len=2)
+    meta_state = ScalingState(1, history_len=2, device="meta")
+    cpu_state.record_amax(0, torch.tensor(4.0))
+    update_states([cpu_state, meta_state], recipe, E4M3_MAX, direction="forward")
+    assert cpu_state.scale.item() == _expected_scale(4.0)
+    assert cpu_state.amax_history[:, 0].tolist() == [0.0, 4.0]
+    assert meta_state.scale.device.type == "meta"
