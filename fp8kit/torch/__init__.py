@@ -19,6 +19,7 @@ from fp8kit.torch.layers import LayerNormLinear, LayerNormMLP
 from fp8kit.torch.linear import Linear
 from fp8kit.torch.quantization import Float8Tensor, dequantize, quantize, quantize_current
 from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, ScalingState
+from fp8kit.torch.update import NonfiniteAmaxWarning
 
 __all__ = [
     "AmaxReductionError",
@@ -34,6 +35,7 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "NonfiniteAmaxWarning",
     "ScalingState",
     "autocast",
     "convert_model",

@@ -119,7 +119,9 @@ class _FP8Block(nn.Module):
     fp8_gemm_names: tuple[str, ...] = ()
 
     def _init_fp8(self, device: torch.device | str | None) -> None:
-        self.fp8_meta = FP8Meta(num_gemms=len(self.fp8_gemm_names), device=device)
+        self.fp8_meta = FP8Meta(
+            num_gemms=len(self.fp8_gemm_names), device=device, label=type(self).__name__
+        )
         self._weight_cache: list[Float8Tensor | None] = [None] * len(self.fp8_gemm_names)
         self._run_cache: dict[str, Any] = {}
 

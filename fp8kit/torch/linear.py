@@ -347,7 +347,9 @@ class Linear(nn.Linear):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         self.fp8_output = fp8_output
         self.fp8_grad = fp8_grad
-        self.fp8_meta = FP8Meta(num_gemms=1, device=device)
+        self.fp8_meta = FP8Meta(
+            num_gemms=1, device=device, label=f"Linear({in_features}, {out_features})"
+        )
         self._weight_cache: list[Float8Tensor | None] = [None]
         self._run_cache: dict[str, Any] = {}
 

@@ -71,9 +71,11 @@ class ScalingState(nn.Module):
         num_slots: int,
         history_len: int = DEFAULT_HISTORY_LEN,
         device: torch.device | str | None = None,
+        label: str = "",
     ) -> None:
         super().__init__()
         self.num_slots = num_slots
+        self.label = label  # what owns this state, for messages (e.g. "Linear(64, 32).forward")
         kw: dict[str, Any] = {"dtype": torch.float32, "device": device}
         self.register_buffer("amax_history", torch.zeros(history_len, num_slots, **kw))
         self.register_buffer("scale", torch.ones(num_slots, **kw))
@@ -279,13 +281,23 @@ class FP8Meta(nn.Module):
         num_gemms: int = 1,
         history_len: int = DEFAULT_HISTORY_LEN,
         device: torch.device | str | None = None,
+        label: str = "",
     ) -> None:
         super().__init__()
         self.num_gemms = num_gemms
         # Registered under the names "forward"/"backward" so state_dict keys read like the
         # attribute paths; nn.Module.add_module refuses those names because of Module.forward.
-        self._modules["forward"] = ScalingState(3 * num_gemms, history_len, device)
-        self._modules["backward"] = ScalingState(2 * num_gemms, history_len, device)
+        self._modules["forward"] = ScalingState(
+            3 * num_gemms, history_len, device, f"{label}.forward" if label else "forward"
+        )
+        self._modules["backward"] = ScalingState(
+            2 * num_gemms, history_len, device, f"{label}.backward" if label else "backward"
+        )
+
+    def set_label(self, label: str) -> None:
+        """Name the owner in messages (``convert_model`` uses the module's qualified name)."""
+        self.forward.label = f"{label}.forward"
+        self.backward.label = f"{label}.backward"
 
     @property  # type: ignore[override]
     def forward(self) -> ScalingState:  # deliberately shadows Module.forward

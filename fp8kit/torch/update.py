@@ -25,13 +25,16 @@ size.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from fp8kit.recipe import DelayedScaling
+from fp8kit.slots import BwdSlot, FwdSlot
 from fp8kit.torch import distributed
 from fp8kit.torch._cast_shim import delayed_update_
 from fp8kit.torch.distributed import Layout
@@ -39,7 +42,13 @@ from fp8kit.torch.pool import StatePool
 from fp8kit.torch.scaling import update_scaling_state
 from fp8kit.torch.state import ScalingState
 
-__all__ = ["DIRECTIONS", "StateRegistry", "registry_for", "update_states"]
+__all__ = [
+    "DIRECTIONS",
+    "NonfiniteAmaxWarning",
+    "StateRegistry",
+    "registry_for",
+    "update_states",
+]
 
 DIRECTIONS = ("forward", "backward")
 _TRAILER = 3  # changed flag, fingerprint, -fingerprint
@@ -126,6 +135,71 @@ def _apply_update(
     torch.reciprocal(new_scale, out=pool.scale_inv)
 
 
+class NonfiniteWatch:
+    """Warns once per state when an infinite amax entered its history, without a host sync.
+
+    After each event the pool's ``nonfinite_count`` is copied to the host asynchronously (CUDA:
+    pinned buffer + event); the next event reads that copy only if it has arrived. On the CPU
+    the counts are read in place. So the warning comes one event late at most and never waits.
+    """
+
+    def __init__(self) -> None:
+        self._host: torch.Tensor | None = None  # last copy of the counts
+        self._ready: Any = None  # CUDA event of that copy, None when it is complete
+        self._seen = np.zeros(0, dtype=np.int64)  # counts already reported, per pool column
+
+    def check(self, registry: StateRegistry) -> None:
+        """Look at the counts of ``registry``'s pool after an event (see the class doc)."""
+        counts = registry.pool.nonfinite_count
+        if counts.device.type == "cpu":
+            self._report(counts.numpy(), registry)
+            return
+        if self._host is not None and (self._ready is None or self._ready.query()):
+            if self._host.shape == counts.shape:
+                self._report(self._host.numpy(), registry)
+            self._host = None
+        if self._host is None and counts.device.type == "cuda":
+            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self._host.copy_(counts, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def _report(self, values: np.ndarray, registry: StateRegistry) -> None:
+        seen = self._seen
+        if seen.shape != values.shape:
+            seen = self._seen = np.zeros_like(values)
+        if not (values > seen).any():
+            return
+        names = FwdSlot if registry.direction == "forward" else BwdSlot
+        offset = 0
+        for state in registry.states():  # pool columns follow this order
+            grew = np.nonzero(
+                values[offset : offset + state.num_slots] > seen[offset : offset + state.num_slots]
+            )[0]
+            offset += state.num_slots
+            if grew.size and state not in _warned:
+                _warned.add(state)
+                slots = ", ".join(names(int(i) % len(names)).name for i in grew)
+                warnings.warn(
+                    f"fp8kit: an infinite amax entered the {registry.direction} amax history of "
+                    f"{state.label or 'an FP8 module'} (slot {slots}); as in Transformer Engine "
+                    f"that slot keeps its scale while the value is in the window (up to "
+                    f"amax_history_len={registry.recipe.amax_history_len} update events). "
+                    "fp8_meta.<direction>.nonfinite_count counts such events per slot; the "
+                    "Inspector reports them. Warned once per module.",
+                    NonfiniteAmaxWarning,
+                    stacklevel=2,
+                )
+        self._seen = values.copy()
+
+
+class NonfiniteAmaxWarning(UserWarning):
+    """An inf amax reached an FP8 slot's history (its scale is frozen while it is there)."""
+
+
+_warned: weakref.WeakSet[ScalingState] = weakref.WeakSet()
+
+
 # ---------------------------------------------------------------------------------------------
 # Persistent registries
 
@@ -182,6 +256,7 @@ class StateRegistry:
         self._verified: Layout | None = None  # the layout every rank last agreed on
         self._verified_pg: Any = None  # the process group object it was agreed over
         self.pool = StatePool()
+        self._nonfinite = NonfiniteWatch()
 
     def _on_death(self, _ref: weakref.ref[ScalingState]) -> None:
         self._num_live -= 1
@@ -297,6 +372,7 @@ class StateRegistry:
                 mask = reduced != 0
                 local.copy_(torch.where(mask, reduced, local))
             _apply_update(self.pool, self.recipe, fmax, mask)
+            self._nonfinite.check(self)
 
     def _reduced(self, staging: torch.Tensor) -> torch.Tensor:
         """``staging`` all-reduced (MAX) over the group, checking layouts where they changed."""

@@ -72,6 +72,7 @@ class SlotStats:
     saturated: float
     flushed: float
     snr_db: float
+    nonfinite_events: int  # update events so far whose amax was infinite (scale frozen then)
 
     @property
     def layer(self) -> str:
@@ -194,6 +195,7 @@ class Inspector:
         self.records: list[SlotStats] = []
         self._names = _Names(model)
         self._pending: list[tuple[SlotName, str, int, torch.Tensor]] = []
+        self._counted: dict[SlotName, tuple[ScalingState, int]] = {}  # slots cast this step
         self._attached = False
         self._paused = 0
         self._next_step = 0
@@ -218,6 +220,7 @@ class Inspector:
             quantizer._observer = None
         self._attached = False
         self._pending.clear()
+        self._counted.clear()
 
     def __enter__(self) -> Inspector:
         return self.attach()
@@ -266,6 +269,7 @@ class Inspector:
         scale = _slot_scale(q, recipe, state, slot, fmt)
         values = cast_statistics(x, q, scale, fmt.max)
         self._pending.append((self._names(state, slot), fmt.name, x.numel(), values))
+        self._counted[self._names(state, slot)] = (state, slot)
 
     def step(self, step: int | None = None) -> list[SlotStats]:
         """Close the current step: one host sync, then one :class:`SlotStats` per slot.
@@ -283,6 +287,13 @@ class Inspector:
         new: list[SlotStats] = []
         if self._pending:
             rows = _to_host([p[3] for p in self._pending])
+            # Read after the step's update events: counts include this step's non-finite amaxes.
+            counted = list(self._counted.items())
+            counts = _to_host(
+                [s.nonfinite_count[i : i + 1].to(torch.float64) for _, (s, i) in counted]
+            )
+            nonfinite = {name: int(c[0]) for (name, _), c in zip(counted, counts, strict=True)}
+            self._counted.clear()
             grouped: dict[SlotName, tuple[str, list[tuple[int, list[float]]]]] = {}
             for (name, fmt_name, numel, _), values in zip(self._pending, rows, strict=True):
                 grouped.setdefault(name, (fmt_name, []))[1].append((numel, values))
@@ -304,6 +315,7 @@ class Inspector:
                         saturated=t.saturated,
                         flushed=t.flushed,
                         snr_db=t.snr_db,
+                        nonfinite_events=nonfinite[name],
                     )
                 )
             self._pending.clear()
@@ -331,6 +343,7 @@ class Inspector:
         """Forget all records (and queued casts)."""
         self.records.clear()
         self._pending.clear()
+        self._counted.clear()
 
     def to_csv(self, path: Any) -> None:
         from fp8kit.torch.inspect.export import write_csv

@@ -1,0 +1,56 @@
+"""Infinite amaxes: SPEC-exact frozen scales, per-slot counts, one warning per module naming it,
+and the Inspector's count (docs/semantics.md section 9)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fp8kit.torch as f8
+from fp8kit.recipe import DelayedScaling
+from fp8kit.torch.update import NonfiniteAmaxWarning
+
+INPUT = 0
+
+
+def _step(layer: torch.nn.Module, x: torch.Tensor, recipe: DelayedScaling) -> None:
+    with f8.autocast(recipe=recipe):
+        y = layer(x)
+    y.sum().backward()
+
+
+def test_inf_amax_is_counted_and_warned_once_per_module() -> None:
+    torch.manual_seed(0)
+    layer = f8.Linear(16, 16)
+    recipe = DelayedScaling(amax_history_len=3)
+    x = torch.randn(16, 16)
+    _step(layer, x, recipe)
+    scale_before = layer.fp8_meta.forward.scale[INPUT].item()
+    with pytest.warns(NonfiniteAmaxWarning, match=r"Linear\(16, 16\)\.forward \(slot INPUT\)"):
+        _step(layer, x * float("inf"), recipe)
+    fwd = layer.fp8_meta.forward
+    assert fwd.nonfinite_count.tolist() == [1, 0, 0]
+    assert fwd.scale[INPUT].item() == scale_before  # frozen while inf is in the window
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NonfiniteAmaxWarning)  # no second warning
+        _step(layer, x * float("inf"), recipe)
+        _step(layer, x, recipe)
+    assert fwd.nonfinite_count.tolist() == [2, 0, 0]
+    assert layer.fp8_meta.backward.nonfinite_count.tolist() == [0, 0]
+
+
+def test_inspector_reports_nonfinite_events() -> None:
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(f8.Linear(16, 16))
+    recipe = DelayedScaling(amax_history_len=2)
+    x = torch.randn(16, 16)
+    with f8.Inspector(model) as insp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", NonfiniteAmaxWarning)
+        for xs in (x, x * float("inf"), x):
+            _step(model, xs, recipe)
+            insp.step()
+    steps, counts = insp.series("0.INPUT", "nonfinite_events")
+    assert (steps, counts) == ([0, 1, 2], [0, 1, 1])
+    assert insp.series("0.WEIGHT", "nonfinite_events")[1] == [0, 0, 0]
