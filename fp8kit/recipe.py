@@ -1,7 +1,7 @@
 """FP8 recipes: what to quantize into which format and how to pick scales.
 
 Pure Python (no framework import): one recipe object drives the PyTorch, JAX and Keras frontends.
-The fields, defaults and rules are those of ``SPEC.md`` section 1.
+The fields, defaults and rules are those of ``docs/semantics.md`` section 1.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class _RecipeBase:
 class DelayedScaling(_RecipeBase):
     """FP8 delayed scaling: each tensor is quantized with a scale derived from its amax history.
 
-    Fields (see ``SPEC.md`` section 1 and 3 for the exact update rule):
+    Fields (see ``docs/semantics.md`` sections 1 and 3 for the exact update rule):
         margin: the scale is divided by ``2**margin`` (int or finite float, may be negative).
         interval: recompute the scale at update events 1, 1+interval, ... (int >= 1).
         fp8_format: ``Format.HYBRID`` (E4M3 forward, E5M2 backward) or ``Format.E4M3``, or
