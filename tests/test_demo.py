@@ -18,10 +18,11 @@ pytest.importorskip("matplotlib")
 
 from fp8kit.__main__ import main as fp8kit_main  # noqa: E402
 from fp8kit.demo import charts  # noqa: E402
+from fp8kit.demo.cli import MODEL, parse_options  # noqa: E402
 from fp8kit.demo.cli import main as demo_main  # noqa: E402
-from fp8kit.demo.cli import parse_options  # noqa: E402
 from fp8kit.demo.corpus import CorpusError, load_corpus, stdlib_files  # noqa: E402
 from fp8kit.demo.precision import Bf16Emulation  # noqa: E402
+from fp8kit.demo.report import RunInfo, speed_note  # noqa: E402
 from fp8kit.demo.train import TrainConfig, batch_offsets, lr_at  # noqa: E402
 
 PNGS = ("loss.png", "fp8_amax_scale.png", "fp8_saturation_flush.png")
@@ -351,3 +352,29 @@ def test_missing_matplotlib_is_reported_before_training(
     )
     code, err = _run_cli(["--quick", "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and "pip install 'fp8kit[demo]'" in err and err.count("\n") == 1
+
+
+def _run_info(device: str, load_start: float, load_end: float, cores: int = 2) -> RunInfo:
+    machine = {
+        "cpu_count": cores,
+        "load_average_at_start": (load_start, 0.0, 0.0),
+        "cpu_bf16_units": ["AMX-BF16"],
+        "gpu": "Some GPU" if device == "cuda" else None,
+    }
+    info = RunInfo(MODEL, TrainConfig(), 1, "text", 1, 1, {}, "", "", "", machine, device=device)
+    info.load_after = (load_end, 0.0, 0.0)
+    return info
+
+
+def test_speed_note_explains_the_device_and_flags_a_busy_machine() -> None:
+    idle = "\n".join(speed_note(_run_info("cpu", 0.1, 0.3)))
+    assert idle.startswith("This run trained on the CPU, where no FP8 arithmetic exists")
+    assert "this CPU: AMX-BF16" in idle and idle.endswith("docs/benchmarks.md.")
+    assert "busy" not in idle
+    busy = speed_note(_run_info("cpu", 0.1, 1.5))  # load above half the cores at the end
+    assert busy[0].startswith("This machine was busy during the run")
+    assert busy[0].endswith("not comparable between variants.") and busy[1] == ""
+    gpu = "\n".join(speed_note(_run_info("cuda", 0.0, 0.0)))
+    assert gpu.startswith("This run trained on Some GPU.")
+    assert "1024 tokens through GEMMs 128 to 512 wide" in gpu
+    assert gpu.endswith("docs/benchmarks.md.")

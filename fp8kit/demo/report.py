@@ -21,6 +21,7 @@ __all__ = [
     "TARGET_GAP_PERCENT",
     "RunInfo",
     "fmt_number",
+    "machine_was_busy",
     "speed_note",
     "summary_rows",
     "target_verdicts",
@@ -210,14 +211,33 @@ def fmt_number(v: float | None, spec: str, suffix: str = "") -> str:
     return format(v, spec) + suffix
 
 
+def machine_was_busy(info: RunInfo) -> bool:
+    """Whether the 1-minute load average at the start or the end of the run exceeded half the
+    cores: other processes then took CPU time from some variants and not from others."""
+    start = info.machine.get("load_average_at_start")
+    if start is None:
+        return False
+    end = info.load_after or start
+    return max(start[0], end[0]) > 0.5 * (info.machine.get("cpu_count") or 1)
+
+
+_BUSY_NOTE = (
+    "This machine was busy during the run (load average under Machine): the variants ran one "
+    "after another while other processes came and went, so this run's tokens/s are not "
+    "comparable between variants."
+)
+
+
 def speed_note(info: RunInfo) -> list[str]:
     """What the tokens/s figures of this run mean on its device, and what to expect elsewhere.
 
     No figures of other machines are quoted here: docs/benchmarks.md holds measured ones.
     """
+    busy = [_BUSY_NOTE, ""] if machine_was_busy(info) else []  # its own paragraph
     if info.device == "cuda":
         gpu = info.machine.get("gpu") or "a CUDA GPU"
         return [
+            *busy,
             f"This run trained on {gpu}. The FP8 GEMMs ran in `torch._scaled_mm` (cuBLASLt's "
             "FP8 GEMM); the bf16 variant is native `torch.autocast(device_type='cuda', "
             "dtype=torch.bfloat16)`. The FP8 variants keep float32 weights and activations "
@@ -232,11 +252,13 @@ def speed_note(info: RunInfo) -> list[str]:
             "docs/benchmarks.md.",
         ]
     return [
+        *busy,
         "This run trained on the CPU, where no FP8 arithmetic exists: the FP8 GEMMs ran as "
         "float32 GEMMs of exactly upcast FP8 operands (see *FP8 GEMM* under Setup), so each FP8 "
-        "variant does the fp32 variant's work plus the casts, scale bookkeeping and upcasts. "
-        "Its *speed vs fp32* below 1 is that overhead, not the speed of FP8 hardware; the "
-        "numbers worth reading on a CPU are the losses. bf16 matmuls are fast on CPUs with bf16 "
+        "variant does the fp32 variant's work plus the casts, scale bookkeeping and upcasts, "
+        "and on an otherwise idle CPU runs slower than fp32. Its *speed vs fp32* shows that "
+        "overhead, not the speed of FP8 hardware; the numbers worth reading on a CPU are the "
+        "losses. bf16 matmuls are fast on CPUs with bf16 "
         f"units (AMX-BF16, AVX512-BF16; this CPU: {_bf16_units_text(info.machine)}) and slower "
         "than float32 elsewhere; an emulated bf16 variant's tokens/s is not a bf16 speed, and "
         "*speed vs bf16* is then n/a. On a GPU with FP8 tensor cores (Hopper, Ada), run with "
@@ -409,8 +431,8 @@ def render_report(results: Sequence[RunResult], info: RunInfo, charts: Sequence[
             + (f", at end {after[0]:.2f}/{after[1]:.2f}/{after[2]:.2f}" if after else "")
             + (
                 f": other processes were competing for the {mach['cpu_count']} cores, "
-                "so timings are pessimistic"
-                if max(load0[0], (after or load0)[0]) > 0.5 * (mach["cpu_count"] or 1)
+                "so timings are pessimistic and not comparable between variants"
+                if machine_was_busy(info)
                 else ""
             )
         )
