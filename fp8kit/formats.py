@@ -6,6 +6,7 @@ Pure Python: no framework import. Each frontend maps :attr:`FP8Format.name` to i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -62,6 +63,30 @@ FORMATS_BY_NAME: dict[str, FP8Format] = {f.name: f for f in (E4M3, E5M2)}
 
 FLOAT32_MAX = 3.4028234663852886e38
 """Largest finite float32 (``FLT_MAX``): the cap for a scale that would overflow."""
+
+FLOAT32_MIN_NORMAL = 2.0**-126
+"""Smallest positive normal float32: the smallest scale whose reciprocal is a finite float32."""
+
+
+def check_scale_number(scale: float, name: str = "scale") -> float:
+    """Validate a quantization scale given as a Python number; return it as a float.
+
+    A usable scale is positive, finite and a normal float32, so that ``float32(scale)`` and
+    ``scale_inv = 1 / scale`` are both finite and non-zero: ``2**-126 <= scale <= FLT_MAX``.
+    Zero, negative, NaN and infinite scales (and ones that overflow or underflow float32) raise
+    ``ValueError``. Scales held in tensors are not checked here: reading one would cost a
+    device-to-host copy on every call.
+    """
+    try:
+        value = float(scale)
+    except OverflowError:  # an int too large for a float
+        value = math.inf
+    if not FLOAT32_MIN_NORMAL <= value <= FLOAT32_MAX:  # also False for NaN
+        raise ValueError(
+            f"{name} must be a finite number from 2**-126 to {FLOAT32_MAX:.8g} (a positive normal "
+            f"float32, so that it and its reciprocal are finite), got {scale!r}"
+        )
+    return value
 
 
 def format_by_name(name: str) -> FP8Format:

@@ -1,4 +1,5 @@
-"""Argument rules of the low-level ``fp8_matmul`` (SPEC 7), shared by every frontend."""
+"""Argument rules of the low-level ``fp8_matmul`` (docs/semantics.md section 7), shared by every
+frontend."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """FP8 recipes: what to quantize into which format and how to pick scales.
 
 Pure Python (no framework import): one recipe object drives the PyTorch, JAX and Keras frontends.
-The fields, defaults and rules are those of ``SPEC.md`` section 1.
+The fields, defaults and rules are those of ``docs/semantics.md`` section 1.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from fp8kit.formats import E4M3, E5M2, FP8Format
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
     "FIRST_STEP_SCALINGS",
+    "TRAINING_FORMATS",
     "DelayedScaling",
     "Float8CurrentScaling",
     "Format",
@@ -47,8 +48,12 @@ class Format(enum.Enum):
         return E4M3 if self is Format.E4M3 else E5M2
 
     @classmethod
-    def coerce(cls, value: Format | str) -> Format:
-        """Accept a member or its name in any case (``"hybrid"``)."""
+    def coerce(cls, value: Format | str, allowed: tuple[Format, ...] | None = None) -> Format:
+        """Accept a member or its name in any case (``"hybrid"``).
+
+        ``allowed`` (default: every member) only sets the names the error messages list.
+        """
+        names = [m.name for m in (cls if allowed is None else allowed)]
         if isinstance(value, cls):
             return value
         if isinstance(value, str):
@@ -57,12 +62,12 @@ class Format(enum.Enum):
             except KeyError:
                 pass
             raise ValueError(
-                f"fp8_format must be one of {[m.name for m in cls]} (a Format member or its "
-                f"name, any case), got {value!r}"
+                f"fp8_format must be one of {names} (a Format member or its name, any case), "
+                f"got {value!r}"
             )
         raise TypeError(
-            f"fp8_format must be a Format member or one of the strings "
-            f"{[m.name for m in cls]}, got {type(value).__name__}"
+            f"fp8_format must be a Format member or one of the strings {names}, "
+            f"got {type(value).__name__}"
         )
 
 
@@ -88,6 +93,27 @@ def _coerce_gemm_flags(name: str, value: Any) -> tuple[bool, bool, bool]:
     return (value[0], value[1], value[2])
 
 
+TRAINING_FORMATS = (Format.HYBRID, Format.E4M3)
+"""Formats a recipe accepts: its forward GEMM multiplies two ``fp8_format.forward`` operands."""
+
+
+def _training_format(value: Format | str) -> Format:
+    """Coerce ``fp8_format`` and refuse E5M2, whose forward GEMM would be E5M2 x E5M2.
+
+    cuBLASLt's FP8 GEMM (``torch._scaled_mm``) takes E4M3 x E4M3, E4M3 x E5M2 and E5M2 x E4M3
+    but not two E5M2 operands, so such a recipe could only fail later, at the first forward.
+    """
+    fmt = Format.coerce(value, TRAINING_FORMATS)
+    if fmt not in TRAINING_FORMATS:
+        raise ValueError(
+            f"fp8_format must be one of {[f.name for f in TRAINING_FORMATS]}, got {fmt.name}: "
+            "with E5M2 the forward GEMM would multiply two E5M2 operands, which the FP8 GEMM "
+            "(cuBLASLt, torch._scaled_mm) does not support; use HYBRID for E4M3 activations "
+            "and weights with E5M2 gradients"
+        )
+    return fmt
+
+
 class _RecipeBase:
     """Validation and serialisation shared by the recipe dataclasses."""
 
@@ -97,7 +123,7 @@ class _RecipeBase:
     power_2_scale: bool
 
     def _validate_common(self) -> None:
-        object.__setattr__(self, "fp8_format", Format.coerce(self.fp8_format))
+        object.__setattr__(self, "fp8_format", _training_format(self.fp8_format))
         for name in ("override_linear_precision", "fast_accumulation"):
             object.__setattr__(self, name, _coerce_gemm_flags(name, getattr(self, name)))
         _require_bool("power_2_scale", self.power_2_scale)
@@ -121,10 +147,11 @@ class _RecipeBase:
 class DelayedScaling(_RecipeBase):
     """FP8 delayed scaling: each tensor is quantized with a scale derived from its amax history.
 
-    Fields (see ``SPEC.md`` section 1 and 3 for the exact update rule):
+    Fields (see ``docs/semantics.md`` sections 1 and 3 for the exact update rule):
         margin: the scale is divided by ``2**margin`` (int or finite float, may be negative).
         interval: recompute the scale at update events 1, 1+interval, ... (int >= 1).
-        fp8_format: :class:`Format` member or its name; HYBRID = E4M3 forward, E5M2 backward.
+        fp8_format: ``Format.HYBRID`` (E4M3 forward, E5M2 backward) or ``Format.E4M3``, or
+            their names; ``Format.E5M2`` is refused (its forward GEMM would be E5M2 x E5M2).
         amax_history_len: history length ``L`` (int >= 1); row 0 is the staging slot.
         amax_compute_algo: ``"max"``, ``"most_recent"`` or ``callable(history[L, n]) -> amax[n]``.
         scaling_factor_compute_algo: None or ``callable(amax, old_scale, fp8_max, recipe)``.
@@ -206,7 +233,7 @@ class Float8CurrentScaling(_RecipeBase):
     """FP8 current scaling: every tensor is quantized with ``fmax / max|x|`` of itself.
 
     No history, no state updates; each cast reads the tensor twice (amax, then cast).
-    ``fast_accumulation`` as in :class:`DelayedScaling`.
+    ``fp8_format`` is HYBRID or E4M3 and ``fast_accumulation`` as for :class:`DelayedScaling`.
     """
 
     fp8_format: Format = Format.HYBRID

@@ -1,4 +1,5 @@
-"""Where each tensor's scaling state lives: the slot layout shared by every frontend (SPEC 3).
+"""Where each tensor's scaling state lives: the slot layout shared by every frontend
+(docs/semantics.md section 3).
 
 A module with ``g`` GEMMs has a forward state of ``3 * g`` slots and a backward state of
 ``2 * g`` slots; GEMM ``k`` uses forward slots ``3k + FwdSlot`` and backward slots ``2k + BwdSlot``.

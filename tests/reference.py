@@ -1,7 +1,8 @@
-"""Independent references written from SPEC.md with numpy and plain Python.
+"""Independent references written from docs/semantics.md with numpy and plain Python.
 
 Nothing here imports fp8kit's frontends: FP8 rounding is derived from the encoding's bit layout,
-the update rule is the per-slot pseudo-code of SPEC section 3 in scalar float32 arithmetic.
+the update rule is the per-slot pseudo-code of docs/semantics.md section 3 in scalar float32
+arithmetic.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def fp8_round(values: np.ndarray, fmt: FP8Format) -> np.ndarray:
 
 
 def quantize_reference(x: np.ndarray, scale: float, fmt: FP8Format) -> tuple[np.ndarray, float]:
-    """SPEC 2: values of ``saturate(rne(float32(x) * float32(scale)))`` and NaN-ignoring amax."""
+    """docs/semantics.md section 2: values of ``saturate(rne(float32(x) * float32(scale)))`` and
+    NaN-ignoring amax."""
     x32 = np.asarray(x, dtype=np.float32)
     scaled = (x32 * np.float32(scale)).astype(np.float64)  # one float32 rounding, as the spec
     q = fp8_round(scaled, fmt)
@@ -59,7 +61,7 @@ def quantize_reference(x: np.ndarray, scale: float, fmt: FP8Format) -> tuple[np.
 def new_scale_reference(
     amax: float, old_scale: float, fmax: float, recipe: DelayedScaling
 ) -> float:
-    """SPEC 3 ``new_scale`` for one slot, in float32 arithmetic."""
+    """docs/semantics.md section 3 ``new_scale`` for one slot, in float32 arithmetic."""
     a = np.float32(amax)
     if recipe.scaling_factor_compute_algo is not None:
         s = float(
@@ -92,7 +94,8 @@ def update_reference(
     recipe: DelayedScaling,
     fmax: float,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One update event of SPEC 3 for every slot (column) of a ``(L, n)`` history."""
+    """One update event of docs/semantics.md section 3 for every slot (column) of a ``(L, n)``
+    history."""
     h = np.array(history, dtype=np.float32, copy=True)
     s = np.array(scale, dtype=np.float32, copy=True)
     c = np.array(counts, dtype=np.int64, copy=True)

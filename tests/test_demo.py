@@ -1,10 +1,12 @@
-"""The demo: ``fp8kit demo --quick`` end to end, input validation, corpus and bf16 emulation."""
+"""The demo: ``fp8kit demo --quick`` end to end, input validation, corpus, bf16 emulation, the
+device choice and the charts."""
 
 from __future__ import annotations
 
 import csv
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +17,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
 from fp8kit.__main__ import main as fp8kit_main  # noqa: E402
+from fp8kit.demo import charts  # noqa: E402
+from fp8kit.demo.cli import MODEL, parse_options  # noqa: E402
 from fp8kit.demo.cli import main as demo_main  # noqa: E402
 from fp8kit.demo.corpus import CorpusError, load_corpus, stdlib_files  # noqa: E402
 from fp8kit.demo.precision import Bf16Emulation  # noqa: E402
+from fp8kit.demo.report import RunInfo, speed_note  # noqa: E402
 from fp8kit.demo.train import TrainConfig, batch_offsets, lr_at  # noqa: E402
 
 PNGS = ("loss.png", "fp8_amax_scale.png", "fp8_saturation_flush.png")
@@ -25,9 +30,9 @@ PNGS = ("loss.png", "fp8_amax_scale.png", "fp8_saturation_flush.png")
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One ``--quick`` run of all four variants, shared by the checks below."""
+    """One ``--quick`` run of all four variants on the CPU, shared by the checks below."""
     out = tmp_path_factory.mktemp("demo") / "out"
-    assert demo_main(["--quick", "--out", str(out)]) == 0
+    assert demo_main(["--quick", "--device", "cpu", "--out", str(out)]) == 0
     return out
 
 
@@ -44,6 +49,14 @@ def test_quick_run_writes_report_pngs_and_metrics(quick_run: Path) -> None:
     for png in PNGS:
         assert f"]({png})" in report
     assert "## Machine" in report and "## Setup" in report
+    assert "- Device: cpu\n" in report
+    assert "| speed vs fp32 | speed vs bf16 |" in report
+    # what CPU speed figures mean, and where GPU numbers are (no figures of other machines)
+    assert "### What the speed figures mean" in report
+    assert "This run trained on the CPU, where no FP8 arithmetic exists" in report
+    assert "docs/benchmarks.md" in report
+    assert "Reproduce: `python -m fp8kit.demo --steps 6 --seed 0 --device cpu --quick`." in report
+    assert not re.search(r"\bnan", report)  # Python's spelling of a NaN number
     for name in PNGS:
         data = (quick_run / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n", name
@@ -67,7 +80,10 @@ def test_quick_run_metrics_hold_finite_numbers(quick_run: Path) -> None:
     results = json.loads((quick_run / "results.json").read_text())
     summary = {s["variant"]: s for s in results["summary"]}
     for s in summary.values():
-        for key in ("final_train_loss", "final_val_loss", "tokens_per_s", "speed_vs_fp32"):
+        keys = ("final_train_loss", "final_val_loss", "tokens_per_s", "speed_vs_fp32")
+        if not summary["bf16"]["emulated"]:
+            keys += ("speed_vs_bf16",)
+        for key in keys:
             assert isinstance(s[key], float) and math.isfinite(s[key]), (s["variant"], key)
         assert s["finite"] and s["diverged"] is None
         assert 0.0 < s["final_val_loss"] < math.log(256) + 0.5  # starts near ln 256
@@ -110,6 +126,7 @@ def _run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, 
         (["--variants", ","], "at least one"),
         (["--seed", "-1"], "--seed must be between"),
         (["--bf16", "maybe"], "invalid choice"),
+        (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
         (["--frobnicate"], "unrecognized arguments"),
     ],
 )
@@ -142,17 +159,97 @@ def test_bad_corpus_and_out_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture
     assert code == 2 and "cannot write to folder" in err and "Traceback" not in err
 
 
-def test_user_corpus_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_user_corpus_quick_run_without_fp32(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No fp32 run: every comparison with fp32 says n/a (never "nan"), and the 2% target is
+    marked as not checked instead of ticked."""
     text = tmp_path / "poem.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
     out = tmp_path / "o"
-    args = ["--quick", "--steps", "2", "--variants", "fp32,fp8-current"]
-    code = demo_main([*args, "--corpus", str(text), "--out", str(out)])
+    args = ["--quick", "--steps", "2", "--variants", "bf16,fp8-current", "--device", "cpu"]
+    code = demo_main([*args, "--bf16", "emulated", "--corpus", str(text), "--out", str(out)])
     assert code == 0
+    captured = capsys.readouterr()
+    assert "FP8 current scaling" in captured.err  # the progress bar
+    assert not re.search(r"\bnan", captured.out)
+    # val loss, gap, tokens/s, vs fp32, vs bf16 (bf16 emulated: its speed is not a bf16 speed)
+    rows = [line.split()[-5:] for line in captured.out.splitlines()[1:3]]
+    for val, gap, tokens, vs_fp32, vs_bf16 in rows:
+        assert math.isfinite(float(val)) and float(tokens.replace(",", "")) > 0
+        assert (gap, vs_fp32, vs_bf16) == ("n/a", "n/a", "n/a")
     report = (out / "report.md").read_text()
     assert "poem.txt" in report and "FP8 current scaling" in report
+    assert not re.search(r"\bnan", report)  # Python's spelling of a NaN number
+    assert "✅" not in report and "❌" not in report
+    assert "**Targets not checked**: no fp32 run to compare with (targets: FP8 final" in report
+    assert "- ➖ FP8 current scaling: finished with finite losses" in report
+    assert "the 2% gap to fp32 was not checked" in report
+    assert "| n/a | n/a |" in report  # speed vs fp32, speed vs bf16 (bf16 emulated)
+    assert "fp8_stats.csv" not in report  # lists only the files it wrote
     assert not (out / "fp8_amax_scale.png").exists()  # no delayed-scaling run to inspect
-    assert "FP8 current scaling" in capsys.readouterr().err  # the progress bar
+    targets = json.loads((out / "results.json").read_text())["targets"]
+    assert [(t["variant"], t["met"]) for t in targets] == [("fp8-current", None)]
+
+
+def test_quick_has_its_own_default_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--quick`` must not overwrite the report of a full run."""
+    monkeypatch.chdir(tmp_path)
+    assert parse_options(["--quick"], "demo").out == Path("fp8kit-demo-quick")
+    assert parse_options([], "demo").out == Path("fp8kit-demo")
+    assert parse_options(["--quick", "--out", "mine"], "demo").out == Path("mine")
+
+
+def test_device_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = ["--out", str(tmp_path / "o")]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert parse_options(out, "demo").device == "cpu"  # auto without CUDA
+    assert parse_options(["--device", "cpu", *out], "demo").device == "cpu"
+    code, err = _run_cli(["--device", "cuda", *out], capsys)
+    assert code == 2
+    assert err == (
+        "python -m fp8kit.demo: error: --device cuda: CUDA is not available here "
+        "(torch.cuda.is_available() is False); use --device cpu or --device auto\n"
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert parse_options(out, "demo").device == "cuda"  # auto picks CUDA when it is there
+    assert parse_options(["--device", "cpu", *out], "demo").device == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_quick_run_on_cuda(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    assert demo_main(["--quick", "--steps", "2", "--device", "cuda", "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert "- Device: cuda (" in report and "This run trained on" in report
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    assert all(math.isfinite(s["speed_vs_bf16"]) for s in summary)  # native bf16 on CUDA
+
+
+def test_percent_axis_reads_tiny_and_zero_values() -> None:
+    """Saturation / flush panels: a log axis whose bottom decade, one below the smallest
+    non-zero value, is labelled 0; all-zero panels say so instead of drawing a flat line."""
+    plt = charts._pyplot()
+    fig, (a, b) = plt.subplots(1, 2)
+    floor = charts._percent_axis(a, [[0.0, 3e-5, 0.0], [2e-3, 0.0, 0.0]], "saturated")
+    assert floor == pytest.approx(1e-6)
+    assert a.get_yscale() == "log"
+    assert a.get_ylim()[0] < floor < 3e-5 < 2e-3 < a.get_ylim()[1]
+    fig.canvas.draw()
+    labels = {t.get_text() for t in a.get_yticklabels()}
+    assert "0" in labels
+    assert charts._percent_axis(b, [[0.0, 0.0], [0.0]], "flushed") is None
+    assert [t.get_text() for t in b.texts] == ["no element flushed at any sampled step (0%)"]
+    plt.close(fig)
+
+
+def test_train_lines_of_coinciding_variants_interleave() -> None:
+    """Four identical training curves show four colours in turn: same dash, shifted offsets."""
+    patterns = [charts._train_dashes(i, 4) for i in range(4)]
+    assert {p[1] for p in patterns} == {(4.0, 12.0)}
+    assert [p[0] for p in patterns] == [0.0, 4.0, 8.0, 12.0]
 
 
 def test_console_command_runs_the_demo(tmp_path: Path) -> None:
@@ -255,3 +352,29 @@ def test_missing_matplotlib_is_reported_before_training(
     )
     code, err = _run_cli(["--quick", "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and "pip install 'fp8kit[demo]'" in err and err.count("\n") == 1
+
+
+def _run_info(device: str, load_start: float, load_end: float, cores: int = 2) -> RunInfo:
+    machine = {
+        "cpu_count": cores,
+        "load_average_at_start": (load_start, 0.0, 0.0),
+        "cpu_bf16_units": ["AMX-BF16"],
+        "gpu": "Some GPU" if device == "cuda" else None,
+    }
+    info = RunInfo(MODEL, TrainConfig(), 1, "text", 1, 1, {}, "", "", "", machine, device=device)
+    info.load_after = (load_end, 0.0, 0.0)
+    return info
+
+
+def test_speed_note_explains_the_device_and_flags_a_busy_machine() -> None:
+    idle = "\n".join(speed_note(_run_info("cpu", 0.1, 0.3)))
+    assert idle.startswith("This run trained on the CPU, where no FP8 arithmetic exists")
+    assert "this CPU: AMX-BF16" in idle and idle.endswith("docs/benchmarks.md.")
+    assert "busy" not in idle
+    busy = speed_note(_run_info("cpu", 0.1, 1.5))  # load above half the cores at the end
+    assert busy[0].startswith("This machine was busy during the run")
+    assert busy[0].endswith("not comparable between variants.") and busy[1] == ""
+    gpu = "\n".join(speed_note(_run_info("cuda", 0.0, 0.0)))
+    assert gpu.startswith("This run trained on Some GPU.")
+    assert "1024 tokens through GEMMs 128 to 512 wide" in gpu
+    assert gpu.endswith("docs/benchmarks.md.")

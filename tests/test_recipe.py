@@ -1,4 +1,4 @@
-"""fp8kit.recipe: fields, defaults, validation and serialisation (SPEC section 1)."""
+"""fp8kit.recipe: fields, defaults, validation and serialisation (docs/semantics.md section 1)."""
 
 from __future__ import annotations
 
@@ -54,9 +54,59 @@ def test_recipes_are_frozen_hashable_and_compare_by_value() -> None:
     assert {a: 1}[b] == 1
 
 
-@pytest.mark.parametrize("name", ["hybrid", "HYBRID", "Hybrid", "e4m3", "E5M2"])
+@pytest.mark.parametrize("name", ["hybrid", "HYBRID", "Hybrid", "e4m3", "E4M3"])
 def test_format_accepts_names_in_any_case(name: str) -> None:
     assert DelayedScaling(fp8_format=name).fp8_format is Format[name.upper()]
+    assert Float8CurrentScaling(fp8_format=name).fp8_format is Format[name.upper()]
+
+
+E5M2_REFUSED = (
+    "fp8_format must be one of ['HYBRID', 'E4M3'], got E5M2: with E5M2 the forward GEMM would "
+    "multiply two E5M2 operands, which the FP8 GEMM (cuBLASLt, torch._scaled_mm) does not "
+    "support; use HYBRID for E4M3 activations and weights with E5M2 gradients"
+)
+
+
+@pytest.mark.parametrize("recipe_type", [DelayedScaling, Float8CurrentScaling])
+@pytest.mark.parametrize("value", [Format.E5M2, "E5M2", "e5m2"])
+def test_e5m2_recipe_is_refused_at_construction(recipe_type: type, value: object) -> None:
+    """An all-E5M2 recipe would need an E5M2 x E5M2 forward GEMM: refused before any forward."""
+    with pytest.raises(ValueError) as info:
+        recipe_type(fp8_format=value)
+    assert str(info.value) == E5M2_REFUSED
+
+
+def test_e5m2_recipe_is_refused_when_rebuilt_from_a_dict() -> None:
+    data = DelayedScaling(amax_history_len=4).to_dict()
+    data["fp8_format"] = "E5M2"
+    with pytest.raises(ValueError) as info:
+        recipe_from_dict(data)
+    assert str(info.value) == E5M2_REFUSED
+
+
+@pytest.mark.parametrize(
+    ("value", "exc", "message"),
+    [
+        (
+            "e3m4",
+            ValueError,
+            "fp8_format must be one of ['HYBRID', 'E4M3'] (a Format member or its name, any "
+            "case), got 'e3m4'",
+        ),
+        (
+            3,
+            TypeError,
+            "fp8_format must be a Format member or one of the strings ['HYBRID', 'E4M3'], got int",
+        ),
+    ],
+)
+def test_unknown_format_lists_the_formats_a_recipe_accepts(
+    value: object, exc: type, message: str
+) -> None:
+    for recipe_type in (DelayedScaling, Float8CurrentScaling):
+        with pytest.raises(exc) as info:
+            recipe_type(fp8_format=value)
+        assert str(info.value) == message
 
 
 def test_override_list_becomes_tuple() -> None:

@@ -1,7 +1,7 @@
 """Command line of the demo: ``python -m fp8kit.demo`` / ``fp8kit demo`` / ``make demo``.
 
-Bad input (``--corpus``, ``--out``, ``--steps``, ``--variants``, ...) ends with one line on stderr
-and exit code 2, never a traceback.
+Bad input (``--corpus``, ``--out``, ``--steps``, ``--variants``, ``--device``, ...) ends with one
+line on stderr and exit code 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -23,14 +23,16 @@ from fp8kit.demo.machine import choose_threads, load_average, machine_info
 from fp8kit.demo.model import GPT, GPTConfig
 from fp8kit.demo.precision import VARIANTS, bf16_slowdown, make_variant
 from fp8kit.demo.progress import format_duration
-from fp8kit.demo.report import RunInfo, summary_rows, write_report
+from fp8kit.demo.report import RunInfo, fmt_number, summary_rows, write_report
 from fp8kit.demo.train import RunResult, TrainConfig, train_variant
 from fp8kit.torch import gemm
 from fp8kit.torch.quantization import quantize
 
-__all__ = ["DEFAULT_OUT", "DEFAULT_STEPS", "UsageError", "main"]
+__all__ = ["DEFAULT_OUT", "DEFAULT_STEPS", "DEVICES", "QUICK_OUT", "UsageError", "main"]
 
 DEFAULT_OUT = "fp8kit-demo"
+QUICK_OUT = "fp8kit-demo-quick"  # --quick never overwrites the full run's report
+DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_STEPS = 250
 QUICK_STEPS = 6
 MODEL = GPTConfig()
@@ -59,6 +61,8 @@ class Options:
     corpus: Path | None
     bf16: str
     threads: int | None
+    device: str  # "cpu" or "cuda" (``--device auto`` resolved)
+    command: str  # the command line that reproduces this run
 
 
 def _parser(prog: str) -> _Parser:
@@ -82,7 +86,10 @@ def _parser(prog: str) -> _Parser:
         help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)",
     )
     p.add_argument(
-        "--out", type=str, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT}/)"
+        "--out",
+        type=str,
+        default=None,
+        help=f"output folder (default {DEFAULT_OUT}/, with --quick {QUICK_OUT}/)",
     )
     p.add_argument("--seed", type=str, default="0", help="seed of weights and data order")
     p.add_argument(
@@ -101,6 +108,12 @@ def _parser(prog: str) -> _Parser:
         default="auto",
         help="bf16 variant: torch.autocast, or rounding emulation where bf16 matmul is slow "
         "(auto: measure and decide)",
+    )
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="where to train (auto: cuda when torch.cuda.is_available(), else cpu)",
     )
     p.add_argument(
         "--threads",
@@ -152,6 +165,33 @@ def _output_folder(text: str) -> Path:
     return out
 
 
+def _device(choice: str) -> str:
+    """Resolve ``--device``: ``"cpu"`` or ``"cuda"``; asking for CUDA without it is an error."""
+    available = torch.cuda.is_available()
+    if choice == "auto":
+        return "cuda" if available else "cpu"
+    if choice == "cuda" and not available:
+        raise UsageError(
+            "--device cuda: CUDA is not available here (torch.cuda.is_available() is False); "
+            "use --device cpu or --device auto"
+        )
+    return choice
+
+
+def _command(prog: str, opts: Options, variants_given: bool) -> str:
+    """The command line that reproduces the run (steps, seed and device spelled out)."""
+    parts = [prog, "--steps", str(opts.steps), "--seed", str(opts.seed), "--device", opts.device]
+    if variants_given:
+        parts += ["--variants", ",".join(opts.variants)]
+    if opts.corpus is not None:
+        parts += ["--corpus", str(opts.corpus)]
+    if opts.bf16 != "auto":
+        parts += ["--bf16", opts.bf16]
+    if opts.quick:
+        parts.append("--quick")
+    return " ".join(parts)
+
+
 def parse_options(argv: list[str] | None, prog: str) -> Options:
     """Parse and validate ``argv``; raises :class:`UsageError` with a one-line message."""
     args = _parser(prog).parse_args(argv)
@@ -167,8 +207,14 @@ def parse_options(argv: list[str] | None, prog: str) -> Options:
         corpus = Path(args.corpus).expanduser()
         if not corpus.exists():
             raise UsageError(f"--corpus: no such file or folder: {args.corpus}")
-    out = _output_folder(args.out)
-    return Options(steps, variants, out, seed, args.quick, corpus, args.bf16, threads)
+    device = _device(args.device)
+    out = _output_folder(
+        args.out if args.out is not None else QUICK_OUT if args.quick else DEFAULT_OUT
+    )
+    opts = Options(
+        steps, variants, out, seed, args.quick, corpus, args.bf16, threads, device, command=""
+    )
+    return replace(opts, command=_command(prog, opts, variants != VARIANTS))
 
 
 def _train_config(opts: Options) -> TrainConfig:
@@ -194,17 +240,20 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _decide_bf16(mode: str, wanted: bool) -> tuple[str, str]:
-    """``(mode, note for the report)`` of the bf16 variant."""
+def _decide_bf16(mode: str, wanted: bool, device: str = "cpu") -> tuple[str, str]:
+    """``(mode, note for the report)`` of the bf16 variant on ``device`` ("cpu" or "cuda")."""
     if not wanted:
         return "native", "not run"
     if mode != "auto":
         return mode, (
-            "torch.autocast(dtype=torch.bfloat16), chosen with --bf16 native"
+            f"torch.autocast(device_type={device!r}, dtype=torch.bfloat16), chosen with "
+            "--bf16 native"
             if mode == "native"
             else "emulated (chosen with --bf16 emulated): matmul operands, results and gradients "
             "rounded to bf16, float32 accumulation"
         )
+    if device == "cuda":
+        return "native", "torch.autocast(device_type='cuda', dtype=torch.bfloat16)"
     slow = bf16_slowdown()
     if slow > BF16_SLOW:
         return "emulated", (
@@ -219,8 +268,10 @@ def _decide_bf16(mode: str, wanted: bool) -> tuple[str, str]:
     )
 
 
-def _gemm_note() -> str:
-    """How the FP8 GEMMs run here (for the report)."""
+def _gemm_note(device: str = "cpu") -> str:
+    """How the FP8 GEMMs run on ``device`` (for the report)."""
+    if device == "cuda":
+        return "`torch._scaled_mm` (cuBLASLt's FP8 GEMM on the GPU's FP8 tensor cores)"
     if gemm.cpu_gemm_backend() == "dequant":
         return (
             "fp8kit's CPU backend `dequant`: the FP8 operands are upcast to float32 (exact) and "
@@ -267,7 +318,7 @@ def _run(opts: Options) -> int:
     started = time.perf_counter()
     _require_matplotlib()  # fail now, not after minutes of training
     threads_note = _threads(opts)
-    machine = machine_info()
+    machine = machine_info(opts.device)
     model_cfg = QUICK_MODEL if opts.quick else MODEL
     cfg = _train_config(opts)
     corpus: Corpus = load_corpus(
@@ -275,20 +326,24 @@ def _run(opts: Options) -> int:
         max_bytes=200_000 if opts.quick else DEFAULT_MAX_BYTES,
         min_bytes=model_cfg.block_size + 2,
     )
-    bf16_mode, bf16_note = _decide_bf16(opts.bf16, "bf16" in opts.variants)
+    bf16_mode, bf16_note = _decide_bf16(opts.bf16, "bf16" in opts.variants, opts.device)
     wants_fp8 = any(v.startswith("fp8") for v in opts.variants)
-    variants = [make_variant(v, bf16_mode) for v in opts.variants]
+    variants = [make_variant(v, bf16_mode, opts.device) for v in opts.variants]
     params = GPT(model_cfg).num_parameters()
     _say(
         f"fp8kit demo: {len(variants)} variant(s) x {cfg.steps} steps of "
         f"{cfg.batch_size}x{model_cfg.block_size} bytes, GPT with {params:,} parameters, "
-        f"{torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads, device {opts.device}"
     )
     _say(f"corpus: {corpus.source}, {corpus.num_bytes:,} bytes; output: {opts.out}/")
     if wants_fp8:
-        quantize(torch.ones(64), 1.0, torch.float8_e4m3fn)  # builds / loads fp8kit's cast kernel
+        # builds / loads fp8kit's cast kernel before any timing
+        quantize(torch.ones(64, device=opts.device), 1.0, torch.float8_e4m3fn)
+    device = torch.device(opts.device)
     results = [
-        train_variant(variant, model_cfg, cfg, corpus, inspect=variant.name == "fp8-delayed")
+        train_variant(
+            variant, model_cfg, cfg, corpus, inspect=variant.name == "fp8-delayed", device=device
+        )
         for variant in variants
     ]
     recipes = {v.label: v.recipe.to_dict() for v in variants if v.recipe is not None}
@@ -301,9 +356,11 @@ def _run(opts: Options) -> int:
         corpus_val_bytes=corpus.val.numel(),
         recipes=recipes,
         bf16_note=bf16_note,
-        gemm_note=_gemm_note() if wants_fp8 else "not run",
+        gemm_note=_gemm_note(opts.device) if wants_fp8 else "not run",
         threads_note=threads_note,
         machine=machine,
+        device=opts.device,
+        command=opts.command,
         quick=opts.quick,
     )
     charts = write_charts(results, opts.out)
@@ -315,13 +372,14 @@ def _run(opts: Options) -> int:
 
 
 def _print_summary(results: list[RunResult], out: Path, wall: float) -> None:
-    print(f"{'variant':<22}{'val loss':>10}{'gap':>9}{'tokens/s':>11}{'vs fp32':>9}")
+    print(f"{'variant':<22}{'val loss':>10}{'gap':>9}{'tokens/s':>11}{'vs fp32':>9}{'vs bf16':>9}")
     for row in summary_rows(results):
-        gap = row["gap_to_fp32_percent"]
         print(
-            f"{row['label']:<22}{row['final_val_loss']:>10.4f}"
-            f"{(f'{gap:+.2f}%' if gap == gap else 'n/a'):>9}"
-            f"{row['tokens_per_s']:>11,.0f}{row['speed_vs_fp32']:>8.2f}x"
+            f"{row['label']:<22}{fmt_number(row['final_val_loss'], '.4f'):>10}"
+            f"{fmt_number(row['gap_to_fp32_percent'], '+.2f', '%'):>9}"
+            f"{fmt_number(row['tokens_per_s'], ',.0f'):>11}"
+            f"{fmt_number(row['speed_vs_fp32'], '.2f', 'x'):>9}"
+            f"{fmt_number(row['speed_vs_bf16'], '.2f', 'x'):>9}"
         )
     print(f"report: {out / 'report.md'}  (total {format_duration(wall)})")
 

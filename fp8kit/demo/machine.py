@@ -1,4 +1,4 @@
-"""What the report says about the machine: CPU, core count, software versions and load."""
+"""What the report says about the machine: CPU, GPU, core count, software versions and load."""
 
 from __future__ import annotations
 
@@ -8,7 +8,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["IDLE_LOAD", "choose_threads", "cpu_model", "load_average", "machine_info"]
+__all__ = [
+    "IDLE_LOAD",
+    "choose_threads",
+    "cpu_bf16_units",
+    "cpu_model",
+    "load_average",
+    "machine_info",
+]
+
+_BF16_FLAGS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16"}
 
 
 def cpu_model() -> str:
@@ -23,6 +32,20 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_bf16_units() -> list[str] | None:
+    """The CPU's bf16 matrix / vector units named in ``/proc/cpuinfo`` (AMX-BF16, AVX512-BF16);
+    ``[]`` when it lists none, None where there is no ``/proc/cpuinfo`` to read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [name for flag, name in _BF16_FLAGS.items() if flag in flags]
+    except OSError:
+        return None
+    return None
+
+
 def load_average() -> tuple[float, float, float] | None:
     """1, 5 and 15 minute load averages, where the OS reports them."""
     try:
@@ -31,10 +54,15 @@ def load_average() -> tuple[float, float, float] | None:
         return None
 
 
-def machine_info() -> dict[str, Any]:
-    """CPU, core and thread counts, software versions and the current load."""
+def machine_info(device: str = "cpu") -> dict[str, Any]:
+    """CPU (and GPU when ``device`` is "cuda"), core and thread counts, versions and the load."""
+    cuda = device == "cuda"
     return {
+        "device": device,
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "cuda": torch.version.cuda if cuda else None,
         "cpu": cpu_model(),
+        "cpu_bf16_units": cpu_bf16_units(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

@@ -1,9 +1,10 @@
 """The numeric variants the demo trains, each a context manager around the forward pass.
 
-``fp32``: plain float32. ``bf16``: ``torch.autocast`` with bfloat16, or, where this machine's
-bfloat16 matmul is far slower than float32 (CPUs without bf16 units), an exact emulation of what
-bf16 autocast computes for matmuls: operands rounded to bf16, float32 accumulation, the result
-rounded to bf16, and the same rounding applied to the gradients flowing back through it.
+``fp32``: plain float32. ``bf16``: ``torch.autocast`` with bfloat16 (the default on CUDA), or, where
+this CPU's bfloat16 matmul is far slower than float32 (CPUs without bf16 units), an exact
+emulation of what bf16 autocast computes for matmuls: operands rounded to bf16, float32
+accumulation, the result rounded to bf16, and the same rounding applied to the gradients flowing
+back through it.
 ``fp8-delayed`` and ``fp8-current``: ``f8.autocast`` with the two fp8kit recipes.
 """
 
@@ -106,17 +107,27 @@ def bf16_slowdown(size: int = 256, repeats: int = 3) -> float:
 
 @dataclass(frozen=True)
 class Variant:
-    """One numeric variant: its name, a label for the report, and how to enter it."""
+    """One numeric variant: its name, a label for the report, and how to enter it.
+
+    ``emulated``: the arithmetic is emulated, so the variant's tokens/s is not its real speed.
+    """
 
     name: str
     label: str
     description: str
     recipe: Recipe | None
     context: Callable[[], contextlib.AbstractContextManager[Any]]
+    emulated: bool = False
 
 
-def make_variant(name: str, bf16_mode: str = "emulated") -> Variant:
-    """Build variant ``name`` (one of :data:`VARIANTS`); ``bf16_mode`` is "native" or "emulated"."""
+def make_variant(name: str, bf16_mode: str = "emulated", device_type: str = "cpu") -> Variant:
+    """Build variant ``name`` (one of :data:`VARIANTS`).
+
+    Args:
+        name: the variant.
+        bf16_mode: "native" (``torch.autocast``) or "emulated" (:class:`Bf16Emulation`).
+        device_type: "cpu" or "cuda", the device type native bf16 autocast runs on.
+    """
     if name == "fp32":
         return Variant(name, "fp32", "float32 everywhere", None, contextlib.nullcontext)
     if name == "bf16":
@@ -124,9 +135,9 @@ def make_variant(name: str, bf16_mode: str = "emulated") -> Variant:
             return Variant(
                 name,
                 "bf16 autocast",
-                "torch.autocast(device_type='cpu', dtype=torch.bfloat16)",
+                f"torch.autocast(device_type={device_type!r}, dtype=torch.bfloat16)",
                 None,
-                lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+                lambda: torch.autocast(device_type, dtype=torch.bfloat16),
             )
         return Variant(
             name,
@@ -135,6 +146,7 @@ def make_variant(name: str, bf16_mode: str = "emulated") -> Variant:
             "float32 accumulation (native bf16 matmul is too slow on this CPU)",
             None,
             Bf16Emulation,
+            emulated=True,
         )
     if name == "fp8-delayed":
         return Variant(

@@ -20,7 +20,11 @@ from fp8kit.torch.inspect import DEFINITIONS, write_csv, write_json
 __all__ = [
     "TARGET_GAP_PERCENT",
     "RunInfo",
+    "fmt_number",
+    "machine_was_busy",
+    "speed_note",
     "summary_rows",
+    "target_verdicts",
     "write_report",
 ]
 
@@ -42,6 +46,8 @@ class RunInfo:
     gemm_note: str
     threads_note: str
     machine: dict[str, Any]
+    device: str = "cpu"
+    command: str = "python -m fp8kit.demo"
     quick: bool = False
     total_wall_s: float = 0.0
     load_after: tuple[float, float, float] | None = None
@@ -58,18 +64,24 @@ def gap_percent(result: RunResult, baseline: RunResult | None) -> float:
     return 100.0 * (result.final_val_loss - baseline.final_val_loss) / baseline.final_val_loss
 
 
-def _baseline(results: Sequence[RunResult]) -> RunResult | None:
-    return next((r for r in results if r.name == "fp32"), None)
+def _baseline(results: Sequence[RunResult], name: str = "fp32") -> RunResult | None:
+    return next((r for r in results if r.name == name), None)
+
+
+def _speed_ratio(result: RunResult, base: RunResult | None) -> float:
+    """tokens/s of ``result`` over the baseline's; NaN without a baseline with a real speed."""
+    if base is None or base.emulated or not base.tokens_per_s > 0:
+        return math.nan
+    return result.tokens_per_s / base.tokens_per_s
 
 
 def summary_rows(results: Sequence[RunResult]) -> list[dict[str, Any]]:
-    """One dict per variant: final losses, gap to fp32, throughput and its ratio to fp32."""
+    """One dict per variant: final losses, gap to fp32, throughput and its ratios to fp32 and to
+    bf16 (NaN where that variant did not run, or ran emulated so its speed is not real)."""
     base = _baseline(results)
+    bf16 = _baseline(results, "bf16")
     rows = []
     for r in results:
-        speed = (
-            r.tokens_per_s / base.tokens_per_s if base is not None and base.tokens_per_s else None
-        )
         rows.append(
             {
                 "variant": r.name,
@@ -79,7 +91,9 @@ def summary_rows(results: Sequence[RunResult]) -> list[dict[str, Any]]:
                 "final_val_loss": r.final_val_loss,
                 "gap_to_fp32_percent": gap_percent(r, base),
                 "tokens_per_s": r.tokens_per_s,
-                "speed_vs_fp32": math.nan if speed is None else speed,
+                "speed_vs_fp32": _speed_ratio(r, base),
+                "speed_vs_bf16": _speed_ratio(r, bf16),
+                "emulated": r.emulated,
                 "wall_s": r.wall_s,
                 "diverged": r.diverged,
                 "finite": all(math.isfinite(v) for v in r.train_loss)
@@ -89,17 +103,29 @@ def summary_rows(results: Sequence[RunResult]) -> list[dict[str, Any]]:
     return rows
 
 
-def target_verdicts(results: Sequence[RunResult]) -> list[tuple[str, bool, str]]:
-    """``(variant, met, sentence)`` for each FP8 variant against the 2% / no-NaN targets."""
+def target_verdicts(results: Sequence[RunResult]) -> list[tuple[str, bool | None, str]]:
+    """``(variant, met, sentence)`` for each FP8 variant against the 2% / no-NaN targets.
+
+    ``met`` is None when the comparison could not be made (no finite fp32 run): the run
+    finished, but nothing says whether it is within 2% of fp32.
+    """
     base = _baseline(results)
-    out = []
+    out: list[tuple[str, bool | None, str]] = []
     for r in results:
         if not r.name.startswith("fp8"):
             continue
         gap = gap_percent(r, base)
         finite = r.diverged is None and math.isfinite(r.final_val_loss)
-        if base is None:
-            out.append((r.name, finite, f"{r.label}: no fp32 run to compare with"))
+        if finite and not math.isfinite(gap):
+            out.append(
+                (
+                    r.name,
+                    None,
+                    f"{r.label}: finished with finite losses (validation loss "
+                    f"{r.final_val_loss:.4f}); the {TARGET_GAP_PERCENT:g}% gap to fp32 was not "
+                    "checked: no fp32 run with a finite loss to compare with",
+                )
+            )
             continue
         met = finite and abs(gap) <= TARGET_GAP_PERCENT
         if not finite:
@@ -178,8 +204,76 @@ def write_metrics(results: Sequence[RunResult], info: RunInfo, out: Path) -> lis
 # report.md
 
 
-def _fmt(v: float, spec: str) -> str:
-    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+def fmt_number(v: float | None, spec: str, suffix: str = "") -> str:
+    """``format(v, spec) + suffix``, or ``"n/a"`` for None and NaN (a number not measured)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return format(v, spec) + suffix
+
+
+def machine_was_busy(info: RunInfo) -> bool:
+    """Whether the 1-minute load average at the start or the end of the run exceeded half the
+    cores: other processes then took CPU time from some variants and not from others."""
+    start = info.machine.get("load_average_at_start")
+    if start is None:
+        return False
+    end = info.load_after or start
+    return max(start[0], end[0]) > 0.5 * (info.machine.get("cpu_count") or 1)
+
+
+_BUSY_NOTE = (
+    "This machine was busy during the run (load average under Machine): the variants ran one "
+    "after another while other processes came and went, so this run's tokens/s are not "
+    "comparable between variants."
+)
+
+
+def speed_note(info: RunInfo) -> list[str]:
+    """What the tokens/s figures of this run mean on its device, and what to expect elsewhere.
+
+    No figures of other machines are quoted here: docs/benchmarks.md holds measured ones.
+    """
+    busy = [_BUSY_NOTE, ""] if machine_was_busy(info) else []  # its own paragraph
+    if info.device == "cuda":
+        gpu = info.machine.get("gpu") or "a CUDA GPU"
+        return [
+            *busy,
+            f"This run trained on {gpu}. The FP8 GEMMs ran in `torch._scaled_mm` (cuBLASLt's "
+            "FP8 GEMM); the bf16 variant is native `torch.autocast(device_type='cuda', "
+            "dtype=torch.bfloat16)`. The FP8 variants keep float32 weights and activations "
+            "around their FP8 GEMMs, and attention, the LM head and the optimizer run in "
+            "float32, so *speed vs bf16* compares fp8kit as this demo uses it with a bf16 "
+            "autocast model, not the two GEMM kernels. This model is small (a step is "
+            f"{info.train.batch_size * info.model.block_size} tokens through GEMMs "
+            f"{info.model.n_embd} to {info.model.ffn_mult * info.model.n_embd} wide): per-layer "
+            "costs that do not shrink with the GEMM (the casts, the scale bookkeeping, kernel "
+            "launches) weigh more than the GEMMs themselves, so do not read these figures as "
+            "FP8's speed-up on large models. Measured numbers, with their machines: "
+            "docs/benchmarks.md.",
+        ]
+    return [
+        *busy,
+        "This run trained on the CPU, where no FP8 arithmetic exists: the FP8 GEMMs ran as "
+        "float32 GEMMs of exactly upcast FP8 operands (see *FP8 GEMM* under Setup), so each FP8 "
+        "variant does the fp32 variant's work plus the casts, scale bookkeeping and upcasts, "
+        "and on an otherwise idle CPU runs slower than fp32. Its *speed vs fp32* shows that "
+        "overhead, not the speed of FP8 hardware; the numbers worth reading on a CPU are the "
+        "losses. bf16 matmuls are fast on CPUs with bf16 "
+        f"units (AMX-BF16, AVX512-BF16; this CPU: {_bf16_units_text(info.machine)}) and slower "
+        "than float32 elsewhere; an emulated bf16 variant's tokens/s is not a bf16 speed, and "
+        "*speed vs bf16* is then n/a. On a GPU with FP8 tensor cores (Hopper, Ada), run with "
+        "`--device cuda` (the default `--device auto` picks CUDA when it is there): the FP8 "
+        "GEMMs then run on the tensor cores and the report compares tokens/s with native bf16. "
+        "Expect FP8 to pay off on large GEMMs only; at this demo's size the per-layer overheads "
+        "dominate on a GPU too. Measured numbers, with their machines: docs/benchmarks.md.",
+    ]
+
+
+def _bf16_units_text(machine: dict[str, Any]) -> str:
+    units = machine.get("cpu_bf16_units")
+    if units is None:
+        return "unknown"
+    return ", ".join(units) if units else "none listed in /proc/cpuinfo"
 
 
 def _stats_summary(result: RunResult) -> list[str]:
@@ -194,10 +288,30 @@ def _stats_summary(result: RunResult) -> list[str]:
         lines.append(
             f"| {slot} | {picked[0].fp8_format} | {max(r.saturated for r in picked) * 100:.4f}% "
             f"| {max(r.flushed for r in picked) * 100:.4f}% "
-            f"| {_fmt(min(snr) if snr else math.nan, '.1f')} "
-            f"| {_fmt(statistics.median(snr) if snr else math.nan, '.1f')} |"
+            f"| {fmt_number(min(snr) if snr else math.nan, '.1f')} "
+            f"| {fmt_number(statistics.median(snr) if snr else math.nan, '.1f')} |"
         )
     return lines
+
+
+def _target_lines(results: Sequence[RunResult]) -> list[str]:
+    """The targets paragraph: met / NOT met / not checked, one line per FP8 variant."""
+    verdicts = target_verdicts(results)
+    if not verdicts:
+        return []
+    if any(met is False for _, met, _ in verdicts):
+        head = "**Targets NOT met**"
+    elif all(met for _, met, _ in verdicts):
+        head = "**Targets met**"
+    else:
+        head = "**Targets not checked**: no fp32 run to compare with"
+    marks = {True: "✅", False: "❌", None: "➖"}
+    return [
+        f"{head} (targets: FP8 final validation loss within {TARGET_GAP_PERCENT:g}% of fp32, "
+        "no divergence, no NaN):",
+        *(f"- {marks[met]} {sentence}" for _, met, sentence in verdicts),
+        "",
+    ]
 
 
 def render_report(results: Sequence[RunResult], info: RunInfo, charts: Sequence[Path]) -> str:
@@ -207,34 +321,23 @@ def render_report(results: Sequence[RunResult], info: RunInfo, charts: Sequence[
     lines = ["# fp8kit demo: training a small GPT in FP8", ""]
     if info.quick:
         lines += ["> `--quick` run: a tiny smoke test, its numbers mean nothing.", ""]
-    verdicts = target_verdicts(results)
-    if verdicts:
-        all_met = all(met for _, met, _ in verdicts)
-        lines.append(
-            "**Targets "
-            + ("met" if all_met else "NOT met")
-            + f"** (FP8 final validation loss within {TARGET_GAP_PERCENT:g}% of fp32, "
-            "no divergence, no NaN):"
-        )
-        lines += [f"- {'✅' if met else '❌'} {s}" for _, met, s in verdicts]
-        lines.append("")
+    lines += _target_lines(results)
     lines += [
         "## Results",
         "",
         "| variant | final train loss | final val loss | gap to fp32 | tokens/s | speed vs fp32 "
-        "| wall time |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| speed vs bf16 | wall time |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in summary_rows(results):
         gap = row["gap_to_fp32_percent"]
-        gap_text = "—" if row["variant"] == "fp32" else _fmt(gap, "+.2f")
-        if math.isfinite(gap) and row["variant"] != "fp32":
-            gap_text += "%"
+        gap_text = "—" if row["variant"] == "fp32" else fmt_number(gap, "+.2f", "%")
         lines.append(
-            f"| {row['label']} | {_fmt(row['final_train_loss'], '.4f')} "
-            f"| {_fmt(row['final_val_loss'], '.4f')} "
-            f"| {gap_text} "
-            f"| {_fmt(row['tokens_per_s'], ',.0f')} | {_fmt(row['speed_vs_fp32'], '.2f')}x "
+            f"| {row['label']} | {fmt_number(row['final_train_loss'], '.4f')} "
+            f"| {fmt_number(row['final_val_loss'], '.4f')} | {gap_text} "
+            f"| {fmt_number(row['tokens_per_s'], ',.0f')} "
+            f"| {fmt_number(row['speed_vs_fp32'], '.2f', 'x')} "
+            f"| {fmt_number(row['speed_vs_bf16'], '.2f', 'x')} "
             f"| {format_duration(row['wall_s'])} |"
         )
     lines += [
@@ -244,8 +347,13 @@ def render_report(results: Sequence[RunResult], info: RunInfo, charts: Sequence[
         f"{m.block_size} bytes after the last step, evaluated in the variant's own arithmetic. "
         "*Gap*: (val loss − fp32 val loss) / fp32 val loss. *tokens/s*: tokens per step over the "
         "median step time (forward, backward, optimizer; evaluation and the steps the numerics "
-        "inspector sampled are excluded). *Speed vs fp32*: tokens/s ratio, higher is faster. "
-        "*Wall time*: the whole variant, evaluation and inspection included.",
+        "inspector sampled are excluded). *Speed vs fp32 / vs bf16*: tokens/s ratio, higher is "
+        "faster. *Wall time*: the whole variant, evaluation and inspection included. *n/a*: not "
+        "measured in this run (the variant compared with did not run, or ran emulated).",
+        "",
+        "### What the speed figures mean",
+        "",
+        *speed_note(info),
         "",
     ]
     for chart in charts:
@@ -309,8 +417,10 @@ def render_report(results: Sequence[RunResult], info: RunInfo, charts: Sequence[
         "",
         "## Machine",
         "",
+        f"- Device: {info.device}"
+        + (f" ({mach.get('gpu')}, CUDA {mach.get('cuda')})" if info.device == "cuda" else ""),
         f"- CPU: {mach['cpu']} ({mach['cpu_count']} logical cores, vector capability "
-        f"{mach['cpu_capability']})",
+        f"{mach['cpu_capability']}, bf16 units: {_bf16_units_text(mach)})",
         f"- Threads: {info.threads_note}",
         f"- Software: torch {mach['torch']}, Python {mach['python']}, {mach['platform']}",
     ]
@@ -321,8 +431,8 @@ def render_report(results: Sequence[RunResult], info: RunInfo, charts: Sequence[
             + (f", at end {after[0]:.2f}/{after[1]:.2f}/{after[2]:.2f}" if after else "")
             + (
                 f": other processes were competing for the {mach['cpu_count']} cores, "
-                "so timings are pessimistic"
-                if max(load0[0], (after or load0)[0]) > 0.5 * (mach["cpu_count"] or 1)
+                "so timings are pessimistic and not comparable between variants"
+                if machine_was_busy(info)
                 else ""
             )
         )
@@ -332,18 +442,17 @@ def render_report(results: Sequence[RunResult], info: RunInfo, charts: Sequence[
         "## Files",
         "",
         "- `report.md`: this report",
-        "- `loss.png`, `fp8_amax_scale.png`, `fp8_saturation_flush.png`: the charts",
+        f"- {', '.join(f'`{c.name}`' for c in charts)}: the charts",
         "- `metrics.csv`: per variant and step: training loss, validation loss (when evaluated), "
         "step time",
         "- `results.json`: the summary, settings, machine and all curves",
-        "- `fp8_stats.csv`, `fp8_stats.json`: the inspector's per-step statistics of every FP8 "
-        "slot (FP8 delayed scaling)",
-        "",
-        f"Reproduce: `python -m fp8kit.demo --steps {t.steps} --seed {t.seed}`"
-        + (" --quick" if info.quick else "")
-        + ".",
-        "",
     ]
+    if fp8 is not None:
+        lines.append(
+            "- `fp8_stats.csv`, `fp8_stats.json`: the inspector's per-step statistics of every "
+            "FP8 slot (FP8 delayed scaling)"
+        )
+    lines += ["", f"Reproduce: `{info.command}`.", ""]
     return "\n".join(lines)
 
 

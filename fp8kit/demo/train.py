@@ -47,13 +47,15 @@ class RunResult:
 
     ``train_loss[i]`` is the loss of step ``i`` (nats per byte); ``val_loss`` holds
     ``(steps done, loss)`` pairs, the first before any step; ``step_time[i]`` is the wall time of
-    step ``i`` in seconds (forward, backward, optimizer; evaluation excluded).
+    step ``i`` in seconds (forward, backward, optimizer; evaluation excluded). ``emulated``: the
+    variant's arithmetic was emulated, so its step times are not its real speed.
     """
 
     name: str
     label: str
     description: str
     tokens_per_step: int
+    emulated: bool = False
     train_loss: list[float] = field(default_factory=list)
     val_loss: list[tuple[int, float]] = field(default_factory=list)
     step_time: list[float] = field(default_factory=list)
@@ -89,7 +91,7 @@ def batch_offsets(n_tokens: int, block: int, batch: int, steps: int, seed: int) 
 
 
 def _windows(data: torch.Tensor, offsets: torch.Tensor, block: int) -> tuple[torch.Tensor, ...]:
-    idx = offsets[:, None] + torch.arange(block + 1)
+    idx = offsets[:, None] + torch.arange(block + 1, device=data.device)
     tokens = data[idx].long()
     return tokens[:, :-1], tokens[:, 1:]
 
@@ -99,7 +101,7 @@ def _val_batches(
 ) -> Iterator[tuple[torch.Tensor, ...]]:
     last = val.numel() - block - 1
     n = max(1, min(windows, last + 1))
-    offsets = torch.linspace(0, last, n).round().long()
+    offsets = torch.linspace(0, last, n).round().long().to(val.device)
     for chunk in offsets.split(batch):
         yield _windows(val, chunk, block)
 
@@ -124,11 +126,12 @@ def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimize
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
-def _evaluate(model: GPT, variant: Variant, corpus: Corpus, cfg: TrainConfig) -> float:
+def _evaluate(model: GPT, variant: Variant, val: torch.Tensor, cfg: TrainConfig) -> float:
+    """Mean loss over the fixed validation windows of ``val`` (bytes, on the model's device)."""
     block = model.cfg.block_size
     total = count = 0.0
     with torch.no_grad(), variant.context():
-        for x, y in _val_batches(corpus.val, block, cfg.eval_windows, cfg.batch_size):
+        for x, y in _val_batches(val, block, cfg.eval_windows, cfg.batch_size):
             total += model(x, y).item() * x.shape[0]
             count += x.shape[0]
     return total / count
@@ -142,6 +145,7 @@ def train_variant(
     *,
     inspect: bool = False,
     stream: TextIO | None = None,
+    device: torch.device | None = None,
 ) -> RunResult:
     """Train a fresh model under ``variant`` for ``cfg.steps`` steps.
 
@@ -151,16 +155,28 @@ def train_variant(
         corpus: training and validation bytes.
         inspect: collect FP8 statistics every ``cfg.inspect_every`` steps (FP8 variants).
         stream: where the progress bar goes (default stderr).
+        device: where the model and the batches live (default the CPU). The model is built on
+            the CPU from the seed and then moved, so every device starts from the same weights.
 
     Returns:
         The losses, timings and statistics; ``diverged`` names the first non-finite loss.
     """
+    device = torch.device("cpu") if device is None else device
     torch.manual_seed(cfg.seed)
-    model = GPT(model_cfg)
+    model = GPT(model_cfg).to(device)
     opt = _optimizer(model, cfg)
     block = model_cfg.block_size
     offsets = batch_offsets(corpus.train.numel(), block, cfg.batch_size, cfg.steps, cfg.seed)
-    result = RunResult(variant.name, variant.label, variant.description, cfg.batch_size * block)
+    offsets = offsets.to(device)
+    train_data = corpus.train.to(device)
+    val_data = corpus.val.to(device)
+    result = RunResult(
+        variant.name,
+        variant.label,
+        variant.description,
+        cfg.batch_size * block,
+        emulated=variant.emulated,
+    )
     inspector = Inspector(model, every=cfg.inspect_every) if inspect else None
     bar = ProgressBar(variant.label, cfg.steps, stream)
     start = time.perf_counter()
@@ -168,10 +184,10 @@ def train_variant(
         inspector.attach()
     try:
         with inspector.paused() if inspector is not None else _nothing():
-            result.val_loss.append((0, _evaluate(model, variant, corpus, cfg)))
+            result.val_loss.append((0, _evaluate(model, variant, val_data, cfg)))
         for step in range(cfg.steps):
             sampled = inspector is not None and inspector.sampling
-            x, y = _windows(corpus.train, offsets[step], block)
+            x, y = _windows(train_data, offsets[step], block)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg)
             t0 = time.perf_counter()
@@ -193,7 +209,7 @@ def train_variant(
             done = step + 1
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 with inspector.paused() if inspector is not None else _nothing():
-                    val = _evaluate(model, variant, corpus, cfg)
+                    val = _evaluate(model, variant, val_data, cfg)
                 result.val_loss.append((done, val))
                 if not math.isfinite(val):
                     result.diverged = f"non-finite validation loss {val} after step {step}"

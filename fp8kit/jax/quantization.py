@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8kit.formats import E4M3, E5M2, FORMATS_BY_NAME, FP8Format
+from fp8kit.formats import E4M3, E5M2, FORMATS_BY_NAME, FP8Format, check_scale_number
 from fp8kit.jax.scaling import compute_scale
 
 __all__ = [
@@ -170,7 +170,7 @@ def _as_scale(scale: Any) -> jax.Array:
             f"scale must be a float or a float32 array with one element, got {type(scale).__name__}"
         )
     if isinstance(scale, (int, float)):
-        return jnp.asarray(scale, jnp.float32)
+        return jnp.asarray(check_scale_number(scale), jnp.float32)
     if scale.dtype != jnp.float32 or scale.size != 1:
         raise TypeError(
             f"scale must be a float32 array with one element, got dtype {scale.dtype} and "
@@ -184,7 +184,9 @@ def quantize(x: Any, scale: Any, fp8_dtype: Any, scale_inv: jax.Array | None = N
 
     Args:
         x: float32 / bfloat16 / float16 array, any shape.
-        scale: float or float32 one-element array, the factor applied before the cast.
+        scale: float or float32 one-element array, the factor applied before the cast. A
+            Python number must lie in ``[2**-126, FLT_MAX]`` (ValueError otherwise); an array
+            scale is not checked (it may be traced).
         fp8_dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2`` (or the format / its name).
         scale_inv: optional precomputed ``1 / scale`` (float32, one element).
     """

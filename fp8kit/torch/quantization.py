@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8kit.formats import E4M3, E5M2, FP8Format
+from fp8kit.formats import E4M3, E5M2, FP8Format, check_scale_number
 from fp8kit.torch.scaling import compute_scale
 
 __all__ = [
@@ -213,7 +213,7 @@ def cast_to_fp8_reference(
 
 def _as_scale_tensor(scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        return torch.tensor(float(scale), dtype=torch.float32, device=device)
+        return torch.tensor(check_scale_number(scale), dtype=torch.float32, device=device)
     if not isinstance(scale, torch.Tensor):
         raise TypeError(f"scale must be a float or a float32 tensor, got {type(scale).__name__}")
     if scale.dtype != torch.float32 or scale.numel() != 1:
@@ -236,7 +236,10 @@ def quantize(
 
     Args:
         x: float32 / bfloat16 / float16 tensor, any shape.
-        scale: float or float32 one-element tensor, the factor applied before the cast.
+        scale: float or float32 one-element tensor, the factor applied before the cast. A
+            Python number must lie in ``[2**-126, FLT_MAX]`` (ValueError otherwise, see
+            :func:`fp8kit.formats.check_scale_number`); a tensor scale is not read on the host
+            and therefore not checked.
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         scale_inv: optional precomputed ``1 / scale`` (float32, one element).
     """

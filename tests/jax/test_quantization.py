@@ -161,3 +161,17 @@ def test_bad_inputs_name_the_parameter() -> None:
         f8.quantize(x, "1", E4M3)
     with pytest.raises(TypeError, match="dtype must be"):
         f8.dequantize(f8.quantize(x, 1.0, E4M3), jnp.int8)
+
+
+@pytest.mark.parametrize(
+    "scale", [0.0, -1.0, -2, float("nan"), float("inf"), 1e39, 1e-39], ids=repr
+)
+def test_zero_negative_or_non_finite_float_scale_is_refused(scale: float) -> None:
+    with pytest.raises(ValueError) as info:
+        f8.quantize(np.ones(3, np.float32), scale, E4M3)
+    assert str(info.value) == (
+        "scale must be a finite number from 2**-126 to 3.4028235e+38 (a positive normal "
+        f"float32, so that it and its reciprocal are finite), got {scale!r}"
+    )
+    q = f8.quantize(np.ones(3, np.float32), 2.0**-126, E5M2)  # the smallest allowed scale
+    assert np.isfinite(float(q.scale_inv)) and np.isfinite(np.asarray(q.dequantize())).all()

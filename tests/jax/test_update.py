@@ -169,7 +169,7 @@ RECIPES = [
     f8.DelayedScaling(amax_history_len=4, power_2_scale=True, margin=1),
     f8.DelayedScaling(amax_history_len=6, interval=3),
     f8.DelayedScaling(amax_history_len=4, fp8_format="E4M3"),
-    f8.DelayedScaling(amax_history_len=4, fp8_format="e5m2", interval=2),
+    f8.DelayedScaling(amax_history_len=4, fp8_format="hybrid", interval=2),
 ]
 
 

@@ -137,3 +137,34 @@ def test_bad_input_messages() -> None:
         f8.quantize(x, 1.0, torch.float8_e4m3fn).dequantize(torch.int8)
     with pytest.raises(ValueError, match=r"one device"):
         f8.quantize(x, torch.tensor(1.0, device="meta"), torch.float8_e4m3fn)
+
+
+BAD_SCALES = [0, 0.0, -0.0, -1.0, -3, math.nan, math.inf, -math.inf, 1e39, 1e-39, 2.0**-127]
+
+
+@pytest.mark.parametrize("scale", BAD_SCALES, ids=repr)
+def test_zero_negative_or_non_finite_float_scale_is_refused(scale: float) -> None:
+    """Scale 0 used to give all-NaN dequantized data: a Python-number scale is checked first."""
+    with pytest.raises(ValueError) as info:
+        f8.quantize(torch.ones(4), scale, torch.float8_e4m3fn)
+    assert str(info.value) == (
+        "scale must be a finite number from 2**-126 to 3.4028235e+38 (a positive normal "
+        f"float32, so that it and its reciprocal are finite), got {scale!r}"
+    )
+
+
+def test_float_scales_at_the_ends_of_the_allowed_range() -> None:
+    x = torch.tensor([1.0, -2.0, 0.0])
+    for scale in (2.0**-126, 3.4028234663852886e38, 10**38):
+        q = f8.quantize(x, scale, torch.float8_e5m2)
+        inv = q.scale_inv.item()
+        assert math.isfinite(inv) and inv > 0
+        assert torch.isfinite(q.dequantize()).all()
+    with pytest.raises(ValueError, match=r"^scale must be a finite number from 2\*\*-126"):
+        f8.quantize(x, 10**400, torch.float8_e4m3fn)  # too large even for a Python float
+
+
+def test_tensor_scale_is_not_read_on_the_host() -> None:
+    """A tensor scale stays on its device: its value is the caller's responsibility."""
+    q = f8.quantize(torch.ones(2), torch.tensor(0.0), torch.float8_e4m3fn)
+    assert q.scale_inv.item() == math.inf  # not checked (documented), unlike a float scale
