@@ -26,8 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fp8kit.recipe import DelayedScaling
-from fp8kit.torch.state import ScalingState
-from fp8kit.torch.update import update_states
+from fp8kit.torch.state import ScalingState, update_states
 
 HISTORY_LENS = (16, 1024)
 E4M3_MAX = 448.0

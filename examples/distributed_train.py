@@ -23,7 +23,7 @@ from torch import nn
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch.checkpoint import init_fp8_state
-from fp8kit.torch.distributed import ddp_ignore_fp8_state
+from fp8kit.torch.ddp import ddp_ignore_fp8_state
 
 
 def build_model(recipe: DelayedScaling, wrap: str) -> nn.Module:

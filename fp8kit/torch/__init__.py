@@ -12,14 +12,14 @@ from fp8kit.torch.checkpoint import (
     per_rank_fp8_state_dict,
 )
 from fp8kit.torch.convert import convert_model
-from fp8kit.torch.distributed import AmaxReductionError, ddp_ignore_fp8_state
+from fp8kit.torch.ddp import ddp_ignore_fp8_state
+from fp8kit.torch.distributed import AmaxReductionError
 from fp8kit.torch.gemm import Fp8GemmContractError, fp8_matmul, scaled_mm
 from fp8kit.torch.inspect import Inspector
 from fp8kit.torch.layers import LayerNormLinear, LayerNormMLP
 from fp8kit.torch.linear import Linear
 from fp8kit.torch.quantization import Float8Tensor, dequantize, quantize, quantize_current
-from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, ScalingState
-from fp8kit.torch.update import NonfiniteAmaxWarning
+from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, NonfiniteAmaxWarning, ScalingState
 
 __all__ = [
     "AmaxReductionError",

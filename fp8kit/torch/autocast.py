@@ -8,7 +8,7 @@ With amax reduction (``torch.distributed``, ``reduce_amax=True``) an update even
 so it must happen on every rank even where no module of that (recipe, group) ran: the outermost
 autocast runs a forward event for every (recipe, group) of an enabled autocast entered in its body
 (in order of first entry), and each forward event arms the backward event of its (recipe, group)
-for the next backward pass (see :mod:`fp8kit.torch.update` for what an event reduces).
+for the next backward pass (see :mod:`fp8kit.torch.state.registry` for what an event reduces).
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from typing import Any
 import torch
 
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
-from fp8kit.torch.state import ScalingState
-from fp8kit.torch.update import update_states
+from fp8kit.torch.state import ScalingState, update_states
 
 __all__ = [
     "FP8Settings",

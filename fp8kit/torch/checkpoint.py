@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fp8kit.recipe import DelayedScaling
-from fp8kit.torch.state import FP8Meta
+from fp8kit.torch.state import FP8Meta, bind_recipe
 
 __all__ = [
     "fp8_metas",
@@ -56,12 +56,9 @@ def init_fp8_state(model: nn.Module, recipe: DelayedScaling | None = None) -> nn
             "recipe must be None or a fp8kit.recipe.DelayedScaling (the only recipe with "
             f"state), got {type(recipe).__name__}"
         )
-    length = recipe.amax_history_len
-    data = recipe.to_dict()
+    why = f"init_fp8_state with amax_history_len={recipe.amax_history_len}"
     for _, meta in fp8_metas(model):
-        meta.set_history_len(length, f"init_fp8_state with amax_history_len={length}")
-        meta.forward.recipe_data = data
-        meta.backward.recipe_data = data
+        bind_recipe(meta, recipe, why)
     return model
 
 

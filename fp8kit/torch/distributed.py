@@ -1,6 +1,6 @@
 """Amax reduction over ``torch.distributed`` (SPEC section 5): collectives and the layout check.
 
-The registry in :mod:`fp8kit.torch.update` decides *which* states are reduced and in which
+The registry in :mod:`fp8kit.torch.state.registry` decides *which* states are reduced and in which
 order; this module owns everything that talks to other ranks:
 
 * :func:`reduction_active`: whether a (recipe, group) reduces at all.
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from fp8kit.recipe import DelayedScaling
 
@@ -34,7 +33,6 @@ __all__ = [
     "Layout",
     "all_reduce_max",
     "check_layout",
-    "ddp_ignore_fp8_state",
     "group_size",
     "reduction_active",
     "resolve_group",
@@ -277,33 +275,3 @@ def all_reduce_max(buffer: torch.Tensor, group: Any, direction: str) -> None:
         group,
         f"the {direction} amax all-reduce",
     )
-
-
-def ddp_ignore_fp8_state(model: nn.Module) -> list[str]:
-    """Keep ``DistributedDataParallel`` from broadcasting FP8 scaling state; call before wrapping.
-
-    DDP broadcasts rank 0's buffers at construction and, with ``broadcast_buffers=True`` (its
-    default), before every forward. fp8kit keeps the states consistent itself (identical on all
-    ranks with ``reduce_amax=True``; deliberately per rank with ``False``), so the broadcast is at
-    best wasted bandwidth and at worst overwrites other ranks' independent states. This adds
-    every FP8 state buffer of ``model`` to DDP's ignore list (other buffers, e.g. BatchNorm
-    statistics, are still broadcast).
-
-    Returns:
-        The fully qualified buffer names now ignored by DDP.
-    """
-    from fp8kit.torch.state import ScalingState  # local: keep this module's imports light
-
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    names = [
-        f"{prefix}.{name}" if prefix else name
-        for prefix, module in model.named_modules()
-        if isinstance(module, ScalingState)
-        for name, _ in module.named_buffers(recurse=False)
-    ]
-    existing = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
-    merged = existing + [n for n in names if n not in existing]
-    # Public-by-convention hook read by DistributedDataParallel at construction.
-    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, merged)
-    return names

@@ -19,7 +19,7 @@ from fp8kit.torch.autocast import FP8Settings, current_settings
 from fp8kit.torch.gemm import FUSED_BIAS_DTYPES, GEMM_ALIGNMENT, fp8_gemm, padded_mm
 from fp8kit.torch.quantization import Float8Tensor, check_high_precision
 from fp8kit.torch.quantizer import FP8Run, plan_for
-from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, bwd_slot, fwd_slot
+from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, bind_recipe, bwd_slot, fwd_slot
 
 __all__ = [
     "Linear",
@@ -41,21 +41,13 @@ def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> 
     recipe = settings.recipe
     if cache.get("recipe") is not recipe:
         if isinstance(recipe, DelayedScaling):
-            if meta.forward.history_len != recipe.amax_history_len:
-                meta.set_history_len(
-                    recipe.amax_history_len, f"recipe amax_history_len={recipe.amax_history_len}"
-                )
-            data = recipe.to_dict()
-            meta.forward.recipe_data = data
-            meta.backward.recipe_data = data
+            bind_recipe(meta, recipe)
         cache["recipe"] = recipe
         cache["plan"] = plan_for(recipe)
     elif isinstance(recipe, DelayedScaling) and (
         meta.forward.history_len != recipe.amax_history_len
     ):  # loaded from a checkpoint with another L since the last call
-        meta.set_history_len(
-            recipe.amax_history_len, f"recipe amax_history_len={recipe.amax_history_len}"
-        )
+        bind_recipe(meta, recipe)
     training = settings.calibrating or torch.is_grad_enabled()
     return FP8Run(cache["plan"], settings.group, meta, training, settings.fp8)
 

@@ -28,7 +28,8 @@ from fp8kit.torch.checkpoint import (
     init_fp8_state,
     per_rank_fp8_state_dict,
 )
-from fp8kit.torch.distributed import AmaxReductionError, ddp_ignore_fp8_state
+from fp8kit.torch.ddp import ddp_ignore_fp8_state
+from fp8kit.torch.distributed import AmaxReductionError
 from tests.torch.dist_helpers import run_scenarios
 
 # ---------------------------------------------------------------------------------------------

@@ -9,8 +9,7 @@ import torch
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
-from fp8kit.torch.state import ScalingState
-from fp8kit.torch.update import update_states
+from fp8kit.torch.state import ScalingState, update_states
 
 E4M3_MAX = 448.0
 INPUT, WEIGHT, OUTPUT = 0, 1, 2

@@ -25,7 +25,7 @@ from fp8kit.torch.checkpoint import (
     init_fp8_state,
     per_rank_fp8_state_dict,
 )
-from fp8kit.torch.distributed import ddp_ignore_fp8_state
+from fp8kit.torch.ddp import ddp_ignore_fp8_state
 from tests.reference import update_reference
 from tests.torch.dist_helpers import run_job, scenario_result
 from tests.torch.dist_scenarios import (
@@ -318,7 +318,7 @@ def test_layout_validates_direction() -> None:
 
 def test_single_process_does_not_reduce() -> None:
     from fp8kit.torch.distributed import reduction_active
-    from fp8kit.torch.update import update_states
+    from fp8kit.torch.state import update_states
 
     assert not dist.is_initialized()
     assert not reduction_active(DelayedScaling(), None)

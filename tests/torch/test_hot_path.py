@@ -18,8 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
-from fp8kit.torch import gemm, quantizer, update
-from fp8kit.torch.update import NonfiniteAmaxWarning
+from fp8kit.torch import gemm, quantizer
+from fp8kit.torch.state import NonfiniteAmaxWarning
+from fp8kit.torch.state import apply as update_apply
 
 # aten ops that launch no kernel on a GPU (metadata, views, allocation without a fill).
 NO_KERNEL_OPS = {
@@ -77,7 +78,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], _KernelCou
                 return _real(*args, **kwargs)
 
         monkeypatch.setattr(quantizer, name, wrapped)
-    real_update = update.delayed_update_
+    real_update = update_apply.delayed_update_
 
     def wrapped_update(*args, **kwargs):  # type: ignore[no-untyped-def]
         for c in counters:
@@ -85,7 +86,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], _KernelCou
         with _Paused(counters):
             return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(update, "delayed_update_", wrapped_update)
+    monkeypatch.setattr(update_apply, "delayed_update_", wrapped_update)
     previous = gemm.cpu_gemm_backend()
     gemm.set_cpu_gemm_backend("scaled_mm")
 

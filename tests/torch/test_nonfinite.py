@@ -10,7 +10,7 @@ import torch
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling
-from fp8kit.torch.update import NonfiniteAmaxWarning
+from fp8kit.torch.state import NonfiniteAmaxWarning
 
 INPUT = 0
 

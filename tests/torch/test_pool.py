@@ -10,6 +10,7 @@ import torch
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling
+from fp8kit.torch.state import registry_for
 from tests.reference import update_reference
 
 RECIPE = DelayedScaling(amax_history_len=4, margin=3)  # a registry of its own in this module
@@ -83,6 +84,6 @@ def test_a_dead_module_leaves_the_pool() -> None:
     del gone
     gc.collect()
     _step(keep, torch.randn(4, 8))
-    registry = keep.fp8_meta.forward.registry
+    registry = registry_for(RECIPE, None, "forward", torch.device("cpu"))
     assert registry.states() == [keep.fp8_meta.forward]
     assert keep.fp8_meta.forward.update_count[0].item() == 2

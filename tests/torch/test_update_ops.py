@@ -11,7 +11,7 @@ import torch
 import fp8kit.torch as f8
 from benchmarks.bench_update import CountOps
 from fp8kit.recipe import DelayedScaling
-from fp8kit.torch import update
+from fp8kit.torch import state as fp8_state
 
 
 def _forward_update_ops(num_modules: int, recipe: DelayedScaling) -> Counter[str]:
@@ -48,7 +48,7 @@ def test_forward_update_op_count_does_not_grow_with_modules(recipe: DelayedScali
 
 def test_backward_update_is_one_batched_call_per_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    real = update.update_states
+    real = fp8_state.update_states
 
     def spy(states, *args, **kwargs):
         calls.append(len(states))
@@ -65,9 +65,9 @@ def test_backward_update_is_one_batched_call_per_pass(monkeypatch: pytest.Monkey
     def ops_for(states: list, margin: int) -> int:
         # A fresh recipe per call: its own registry, in which every given state ran.
         recipe = DelayedScaling(amax_history_len=8, margin=margin)
-        update.update_states(states, recipe, 57344.0, direction="backward")  # builds the pool
+        fp8_state.update_states(states, recipe, 57344.0, direction="backward")  # builds the pool
         with CountOps() as counter:
-            update.update_states(states, recipe, 57344.0, direction="backward")
+            fp8_state.update_states(states, recipe, 57344.0, direction="backward")
         return sum(counter.ops.values())
 
     backward_states = [layer.fp8_meta.backward for layer in model]

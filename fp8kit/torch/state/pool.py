@@ -1,11 +1,12 @@
-"""Contiguous storage for the scaling states of one registry (DESIGN principle 2).
+"""Contiguous storage for the scaling states of one registry (docs/design.md principle 2).
 
 A :class:`StatePool` holds ``history (L, N)``, ``scale (N,)``, ``scale_inv (N,)``,
 ``update_count (N,)`` and ``nonfinite_count (N,)`` for all its member states side by side;
 each member's buffers are views of its columns. An update event then runs a fixed number of
 tensor ops on the pool, with no per-module gather or scatter. A member whose buffers stop being
 those views (moved to another device, loaded with another history length, resized) is noticed at
-the next event and the pool is rebuilt from the members' current values.
+the next event (through :func:`~fp8kit.torch.state.buffers.buffer_generation`, without a pointer
+from the state to its pool) and the pool is rebuilt from the members' current values.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fp8kit.torch.state import ScalingState
+from fp8kit.torch.state.buffers import ScalingState, buffer_generation
 
 __all__ = ["StatePool"]
 
@@ -26,8 +27,9 @@ class StatePool:
     """The buffers of ``states`` (one device, one history length) laid side by side."""
 
     def __init__(self) -> None:
-        self.dirty = False  # set by a member that replaced one of its buffers
         self._members: list[weakref.ref[ScalingState]] = []  # weak: the pool keeps no module alive
+        self._views: list[dict[str, torch.Tensor]] = []  # per member: the views it was given
+        self._generation = -1  # buffer_generation() when the members last held those views
         self.history = torch.zeros(0, 0)
         self.scale = torch.ones(0)
         self.scale_inv = torch.ones(0)
@@ -39,13 +41,22 @@ class StatePool:
     def num_slots(self) -> int:
         return self.scale.shape[0]
 
+    def stale(self) -> bool:
+        """Whether some :class:`ScalingState` replaced a buffer since the last :meth:`sync`
+        (a member may no longer view its columns): one integer comparison."""
+        return self._generation != buffer_generation()
+
     def _intact(self, states: Sequence[ScalingState]) -> bool:
+        """Whether ``states`` are the members, in order, each still viewing its columns."""
         if len(states) != len(self._members):
             return False
-        return all(
-            s is ref() and s.pooled_views_intact(self)
-            for s, ref in zip(states, self._members, strict=True)
-        )
+        for state, ref, views in zip(states, self._members, self._views, strict=True):
+            if state is not ref():
+                return False
+            buffers = state._buffers
+            if any(buffers[name] is not view for name, view in views.items()):
+                return False
+        return True
 
     def sync(self, states: Sequence[ScalingState]) -> None:
         """Make the pool hold exactly ``states`` in this order, each one viewing its columns.
@@ -54,16 +65,16 @@ class StatePool:
         current values into new pool tensors (one ``cat`` per buffer kind).
         """
         if self._intact(states):
-            self.dirty = False
+            self._generation = buffer_generation()
             return
         if not states:
             self.__init__()  # type: ignore[misc]
+            self._generation = buffer_generation()
             return
         devices = {s.amax_history.device for s in states}
         if len(devices) > 1:
-            raise ValueError(
-                "fp8kit: the FP8 modules of one recipe and amax reduction group must live on one "
-                f"device, found {sorted(map(str, devices))}; give each device its own recipe"
+            raise RuntimeError(  # pragma: no cover - registries are per device
+                f"fp8kit: states of one pool live on several devices: {sorted(map(str, devices))}"
             )
         lengths = {s.history_len for s in states}
         if len(lengths) > 1:  # pragma: no cover - states are resized before they join
@@ -76,19 +87,21 @@ class StatePool:
             self.nonfinite_count = torch.cat([s.nonfinite_count for s in states])
         self._masks = {}
         self._members = [weakref.ref(s) for s in states]
+        self._views = []
         offset = 0
         for state in states:
             cols = slice(offset, offset + state.num_slots)
-            state.attach_to_pool(
-                self,
-                self.history[:, cols],
-                self.scale[cols],
-                self.scale_inv[cols],
-                self.update_count[cols],
-                self.nonfinite_count[cols],
-            )
+            views = {
+                "amax_history": self.history[:, cols],
+                "scale": self.scale[cols],
+                "scale_inv": self.scale_inv[cols],
+                "update_count": self.update_count[cols],
+                "nonfinite_count": self.nonfinite_count[cols],
+            }
+            state.adopt_buffers(views)
+            self._views.append(views)
             offset += state.num_slots
-        self.dirty = False
+        self._generation = buffer_generation()
 
     def slot_mask(self, chosen: Sequence[ScalingState]) -> torch.Tensor:
         """Boolean ``(N,)`` device mask of the columns of the ``chosen`` member states.

@@ -1,9 +1,11 @@
-"""Update events: one batched update of many modules' scaling states (SPEC sections 3 and 5).
+"""Update events: one batched update of many modules' scaling states (docs/semantics.md
+sections 3 and 5).
 
-Every (recipe, group, direction) has a persistent :class:`StateRegistry`: the states that ever
-took part in its events, in order of first registration (weak references, so dead modules drop
-out), stored side by side in one :class:`~fp8kit.torch.pool.StatePool` whose columns the modules'
-buffers view. An event runs the update rule once on the whole pool: a fixed number of tensor ops
+Every (recipe, group, direction, device) has a persistent :class:`StateRegistry`: the states that
+ever took part in its events, in order of first registration (weak references, so dead modules
+drop out), stored side by side in one :class:`~fp8kit.torch.state.pool.StatePool` whose columns
+the modules' buffers view. Membership is kept here (a state holds no pointer to its registry).
+An event runs the update rule once on the whole pool: a fixed number of tensor ops
 and no per-module gather or scatter, whatever the number of modules.
 
 Which states an event rolls: those that ran since the last event. Registered states that did not
@@ -25,30 +27,21 @@ size.
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from fp8kit.recipe import DelayedScaling
-from fp8kit.slots import BwdSlot, FwdSlot
 from fp8kit.torch import distributed
-from fp8kit.torch._cast_shim import delayed_update_
 from fp8kit.torch.distributed import Layout
-from fp8kit.torch.pool import StatePool
-from fp8kit.torch.scaling import update_scaling_state
-from fp8kit.torch.state import ScalingState
+from fp8kit.torch.state.apply import NonfiniteWatch, apply_update
+from fp8kit.torch.state.binding import bind_history_len
+from fp8kit.torch.state.buffers import ScalingState
+from fp8kit.torch.state.pool import StatePool
 
-__all__ = [
-    "DIRECTIONS",
-    "NonfiniteAmaxWarning",
-    "StateRegistry",
-    "registry_for",
-    "update_states",
-]
+__all__ = ["DIRECTIONS", "StateRegistry", "registry_for", "update_states"]
 
 DIRECTIONS = ("forward", "backward")
 _TRAILER = 3  # changed flag, fingerprint, -fingerprint
@@ -90,120 +83,12 @@ def update_states(
         registry_for(recipe, group, direction, device).run_event(ran, fmax)
 
 
-def _apply_update(
-    pool: StatePool, recipe: DelayedScaling, fmax: float, ran: torch.Tensor | None
-) -> None:
-    """Run the update rule on the whole pool, in place, with no host synchronisation.
-
-    Args:
-        pool: the pool; its history row 0 holds this event's staging row (after any reduction).
-        recipe: the recipe; built-in algorithms run in one fused kernel
-            (``delayed_update_``), callables through the torch rule of :mod:`fp8kit.torch.scaling`.
-        fmax: largest finite value of the pool's format.
-        ran: None when every column takes part in the event, else a boolean ``(N,)`` device mask;
-            False columns are skipped and keep their staging value (e.g. a ``no_grad`` leftover).
-    """
-    if isinstance(recipe.amax_compute_algo, str) and recipe.scaling_factor_compute_algo is None:
-        delayed_update_(
-            pool.history,
-            pool.scale,
-            pool.scale_inv,
-            pool.update_count,
-            fmax=fmax,
-            margin=recipe.margin,
-            interval=recipe.interval,
-            algo=recipe.amax_compute_algo,
-            power_2_scale=recipe.power_2_scale,
-            ran=ran,
-            nonfinite_count=pool.nonfinite_count,
-        )
-        return
-    history = pool.history
-    kept = None
-    if ran is not None:
-        kept = history[0].clone()
-        history[0] = torch.where(ran, history[0], 0.0)
-    pool.nonfinite_count.add_(torch.isinf(history[0]))
-    new_history, new_scale, new_count = update_scaling_state(
-        history, pool.scale, pool.update_count, recipe, fmax
-    )
-    if kept is not None:
-        new_history[0] = torch.where(ran, new_history[0], kept)  # type: ignore[arg-type]
-    history.copy_(new_history)
-    pool.scale.copy_(new_scale)
-    pool.update_count.copy_(new_count)
-    torch.reciprocal(new_scale, out=pool.scale_inv)
-
-
-class NonfiniteWatch:
-    """Warns once per state when an infinite amax entered its history, without a host sync.
-
-    After each event the pool's ``nonfinite_count`` is copied to the host asynchronously (CUDA:
-    pinned buffer + event); the next event reads that copy only if it has arrived. On the CPU
-    the counts are read in place. So the warning comes one event late at most and never waits.
-    """
-
-    def __init__(self) -> None:
-        self._host: torch.Tensor | None = None  # last copy of the counts
-        self._ready: Any = None  # CUDA event of that copy, None when it is complete
-        self._seen = np.zeros(0, dtype=np.int64)  # counts already reported, per pool column
-
-    def check(self, registry: StateRegistry) -> None:
-        """Look at the counts of ``registry``'s pool after an event (see the class doc)."""
-        counts = registry.pool.nonfinite_count
-        if counts.device.type == "cpu":
-            self._report(counts.numpy(), registry)
-            return
-        if self._host is not None and (self._ready is None or self._ready.query()):
-            if self._host.shape == counts.shape:
-                self._report(self._host.numpy(), registry)
-            self._host = None
-        if self._host is None and counts.device.type == "cuda":
-            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            self._host.copy_(counts, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-
-    def _report(self, values: np.ndarray, registry: StateRegistry) -> None:
-        seen = self._seen
-        if seen.shape != values.shape:
-            seen = self._seen = np.zeros_like(values)
-        if not (values > seen).any():
-            return
-        names = FwdSlot if registry.direction == "forward" else BwdSlot
-        offset = 0
-        for state in registry.states():  # pool columns follow this order
-            grew = np.nonzero(
-                values[offset : offset + state.num_slots] > seen[offset : offset + state.num_slots]
-            )[0]
-            offset += state.num_slots
-            if grew.size and state not in _warned:
-                _warned.add(state)
-                slots = ", ".join(names(int(i) % len(names)).name for i in grew)
-                warnings.warn(
-                    f"fp8kit: an infinite amax entered the {registry.direction} amax history of "
-                    f"{state.label or 'an FP8 module'} (slot {slots}); as in Transformer Engine "
-                    f"that slot keeps its scale while the value is in the window (up to "
-                    f"amax_history_len={registry.recipe.amax_history_len} update events). "
-                    "fp8_meta.<direction>.nonfinite_count counts such events per slot; the "
-                    "Inspector reports them. Warned once per module.",
-                    NonfiniteAmaxWarning,
-                    stacklevel=2,
-                )
-        self._seen = values.copy()
-
-
-class NonfiniteAmaxWarning(UserWarning):
-    """An inf amax reached an FP8 slot's history (its scale is frozen while it is there)."""
-
-
-_warned: weakref.WeakSet[ScalingState] = weakref.WeakSet()
-
-
 # ---------------------------------------------------------------------------------------------
 # Persistent registries
 
 _lock = threading.Lock()
+# Which registry each state belongs to (a state joins at most one per direction, device).
+_membership: weakref.WeakKeyDictionary[ScalingState, StateRegistry] = weakref.WeakKeyDictionary()
 _registries: dict[tuple[DelayedScaling, int, str, torch.device | None], StateRegistry] = {}
 
 
@@ -218,7 +103,7 @@ def registry_for(
     with _lock:
         registry = _registries.get(key)
         if registry is None:
-            registry = _registries[key] = StateRegistry(recipe, group, direction)
+            registry = _registries[key] = StateRegistry(recipe, group, direction, device)
         return registry
 
 
@@ -237,18 +122,21 @@ def _registry_devices(recipe: DelayedScaling, group: Any, direction: str) -> lis
 
 
 class StateRegistry:
-    """The states updated (and reduced) together under one (recipe, group, direction).
+    """The states updated (and reduced) together under one (recipe, group, direction, device).
 
     States are appended when they first take part in an event and leave when they die (weak
-    references) or move to another (recipe, group). Any such change makes the next event rebuild
-    the pool and, with reduction, re-check the layout across ranks. In the steady state an event
-    costs O(1) Python work plus one attribute check per state that ran.
+    references) or move to another (recipe, group, device). Any such change makes the next event
+    rebuild the pool and, with reduction, re-check the layout across ranks. In the steady state an
+    event costs O(1) Python work plus one dictionary look-up per state that ran.
     """
 
-    def __init__(self, recipe: DelayedScaling, group: Any, direction: str) -> None:
+    def __init__(
+        self, recipe: DelayedScaling, group: Any, direction: str, device: torch.device | None
+    ) -> None:
         self.recipe = recipe
         self.group = group  # held strongly: its id() is part of the registry key
         self.direction = direction
+        self.device = device
         self._refs: list[weakref.ref[ScalingState]] = []
         self._num_live = 0
         self._membership_changed = True  # the pool must be rebuilt
@@ -264,14 +152,14 @@ class StateRegistry:
 
     def register(self, state: ScalingState) -> None:
         """Append ``state`` unless present; take it from the registry it belonged to before."""
-        previous = state.registry
+        previous = _membership.get(state)
         if previous is self:
             return
         if previous is not None:
             previous.discard(state)
         self._refs.append(weakref.ref(state, self._on_death))
         self._num_live += 1
-        state.registry = self
+        _membership[state] = self
         self._membership_changed = self._changed = True
 
     def discard(self, state: ScalingState) -> None:
@@ -280,7 +168,7 @@ class StateRegistry:
         if len(kept) != len(self._refs):
             self._refs = kept
             self._num_live -= 1
-            state.registry = None
+            _membership.pop(state, None)
             self._membership_changed = self._changed = True
 
     def has_states(self) -> bool:
@@ -296,13 +184,16 @@ class StateRegistry:
 
     def _sync_pool(self) -> None:
         """Rebuild the pool if members changed or one of them replaced its buffers."""
-        if not (self._membership_changed or self.pool.dirty):
+        if not (self._membership_changed or self.pool.stale()):
             return
         states = self.states()
-        length = self.recipe.amax_history_len
-        for state in states:
-            if state.history_len != length:  # loaded with another L and not run since
-                state.set_history_len(length, f"recipe amax_history_len={length}")
+        moved = [s for s in states if s.amax_history.device != self.device]
+        for state in moved:  # moved to another device since it ran here: it joins that registry
+            self.discard(state)
+        if moved:
+            states = self.states()
+        for state in states:  # a state loaded with another L and not run since
+            bind_history_len(state, self.recipe)
         self.pool.sync(states)
         self._membership_changed = False
 
@@ -371,8 +262,8 @@ class StateRegistry:
                 # its own leftover staging.
                 mask = reduced != 0
                 local.copy_(torch.where(mask, reduced, local))
-            _apply_update(self.pool, self.recipe, fmax, mask)
-            self._nonfinite.check(self)
+            apply_update(self.pool, self.recipe, fmax, mask)
+            self._nonfinite.check(self.pool, self.states, self.direction, self.recipe)
 
     def _reduced(self, staging: torch.Tensor) -> torch.Tensor:
         """``staging`` all-reduced (MAX) over the group, checking layouts where they changed."""

@@ -1,4 +1,5 @@
-"""Per-module FP8 scaling state: amax histories, scales and event counts (SPEC sections 3, 6).
+"""Per-module FP8 scaling state: amax histories, scales and event counts (docs/semantics.md
+sections 3, 6).
 
 A module owns an :class:`FP8Meta` with a forward and a backward :class:`ScalingState`. Both are
 ``nn.Module``\\ s holding plain buffers, so they move with ``.to()``, appear in ``state_dict`` with
@@ -13,21 +14,37 @@ from typing import Any
 import torch
 from torch import nn
 
+from fp8kit.recipe import DelayedScaling
 from fp8kit.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
 
 __all__ = [
+    "BUFFER_NAMES",
     "BwdSlot",
     "FP8Meta",
     "FwdSlot",
     "ScalingState",
+    "buffer_generation",
     "bwd_slot",
     "fwd_slot",
     "resize_history",
 ]
 
-DEFAULT_HISTORY_LEN = 1024
-_BUFFER_NAMES = ("amax_history", "scale", "scale_inv", "update_count", "nonfinite_count")
+DEFAULT_HISTORY_LEN: int = DelayedScaling.__dataclass_fields__["amax_history_len"].default
+BUFFER_NAMES = ("amax_history", "scale", "scale_inv", "update_count", "nonfinite_count")
 _EXTRA_STATE_VERSION = 1
+
+# Bumped whenever a ScalingState replaces a buffer tensor (assignment, .to(), load with another
+# history length), so a pool can tell cheaply whether its members may have left it.
+_generation = [0]
+
+
+def buffer_generation() -> int:
+    """A counter that changes whenever any :class:`ScalingState` replaces a buffer tensor."""
+    return _generation[0]
+
+
+def _buffers_replaced() -> None:
+    _generation[0] += 1
 
 
 def resize_history(history: torch.Tensor, length: int) -> torch.Tensor:
@@ -90,12 +107,6 @@ class ScalingState(nn.Module):
         )
         self.recipe_data: dict[str, Any] | None = None
         self._slots_with_history: set[int] = set()
-        # Links kept by fp8kit.torch.update / .pool (dropped when the module is copied/pickled):
-        # the registry this state's update events run in, and the pool whose columns its
-        # buffers view.
-        self.registry: Any = None
-        self._pool: Any = None
-        self._pool_views: tuple[torch.Tensor, ...] = ()
         # Per-slot views (scale, staging entry, update count) for the hot path, valid while the
         # buffers they view are the current ones (see slot_views).
         self._slot_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -103,41 +114,18 @@ class ScalingState(nn.Module):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(registry=None, _pool=None, _pool_views=(), _slot_views={}, _slot_views_of=())
+        state.update(_slot_views={}, _slot_views_of=())  # derived views: rebuilt on use
         return state
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
-        if name in _BUFFER_NAMES:
-            self._mark_pool_dirty()
+        if name in BUFFER_NAMES:
+            _buffers_replaced()
 
-    def _mark_pool_dirty(self) -> None:
-        pool = self.__dict__.get("_pool")
-        if pool is not None:
-            pool.dirty = True
-
-    def attach_to_pool(
-        self,
-        pool: object,
-        history: torch.Tensor,
-        scale: torch.Tensor,
-        scale_inv: torch.Tensor,
-        update_count: torch.Tensor,
-        nonfinite_count: torch.Tensor,
-    ) -> None:
-        """Make the buffers views of ``pool``'s columns (values already copied there)."""
-        views = (history, scale, scale_inv, update_count, nonfinite_count)
-        for name, view in zip(_BUFFER_NAMES, views, strict=True):
+    def adopt_buffers(self, views: dict[str, torch.Tensor]) -> None:
+        """Use ``views`` (same shapes and values, e.g. columns of a pool) as the buffers."""
+        for name, view in views.items():
             self._buffers[name] = view
-        self._pool, self._pool_views = pool, views
-
-    def pooled_views_intact(self, pool: object) -> bool:
-        """Whether every buffer is still the view ``pool`` handed out."""
-        if self._pool is not pool:
-            return False
-        return all(
-            self._buffers[n] is v for n, v in zip(_BUFFER_NAMES, self._pool_views, strict=True)
-        )
 
     def _apply(self, fn: Any, recurse: bool = True) -> ScalingState:  # type: ignore[override]
         # FP8 metadata stays float32 / int64 whatever the model's dtype: follow device moves
@@ -154,7 +142,7 @@ class ScalingState(nn.Module):
                 )
             if moved is not buf:
                 self._buffers[name] = moved
-                self._mark_pool_dirty()
+                _buffers_replaced()
         return self
 
     @property
@@ -306,7 +294,3 @@ class FP8Meta(nn.Module):
     @property
     def backward(self) -> ScalingState:
         return self._modules["backward"]  # type: ignore[return-value]
-
-    def set_history_len(self, length: int, reason: str) -> None:
-        self.forward.set_history_len(length, reason)
-        self.backward.set_history_len(length, reason)

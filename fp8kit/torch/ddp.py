@@ -1,0 +1,41 @@
+"""DistributedDataParallel integration: keep DDP's buffer broadcast away from FP8 state.
+
+fp8kit keeps FP8 states consistent across ranks itself (docs/distributed.md), so DDP must not
+broadcast them.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fp8kit.torch.state import ScalingState
+
+__all__ = ["ddp_ignore_fp8_state"]
+
+
+def ddp_ignore_fp8_state(model: nn.Module) -> list[str]:
+    """Keep ``DistributedDataParallel`` from broadcasting FP8 scaling state; call before wrapping.
+
+    DDP broadcasts rank 0's buffers at construction and, with ``broadcast_buffers=True`` (its
+    default), before every forward. fp8kit keeps the states consistent itself (identical on all
+    ranks with ``reduce_amax=True``; deliberately per rank with ``False``), so the broadcast is at
+    best wasted bandwidth and at worst overwrites other ranks' independent states. This adds
+    every FP8 state buffer of ``model`` to DDP's ignore list (other buffers, e.g. BatchNorm
+    statistics, are still broadcast).
+
+    Returns:
+        The fully qualified buffer names now ignored by DDP.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    names = [
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        if isinstance(module, ScalingState)
+        for name, _ in module.named_buffers(recurse=False)
+    ]
+    existing = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    merged = existing + [n for n in names if n not in existing]
+    # Public-by-convention hook read by DistributedDataParallel at construction.
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, merged)
+    return names

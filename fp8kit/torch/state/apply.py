@@ -1,0 +1,151 @@
+"""What an update event does to a pool of scaling states (docs/semantics.md sections 3, 9).
+
+:func:`apply_update` runs the update rule in place over every column of a
+:class:`~fp8kit.torch.state.pool.StatePool`: one fused kernel for the built-in algorithms, the
+torch rule of :mod:`fp8kit.torch.scaling` for callables. :class:`NonfiniteWatch` reports infinite
+amaxes without a host synchronisation (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fp8kit.recipe import DelayedScaling
+from fp8kit.slots import BwdSlot, FwdSlot
+from fp8kit.torch._cast_shim import delayed_update_
+from fp8kit.torch.scaling import update_scaling_state
+from fp8kit.torch.state.buffers import ScalingState
+from fp8kit.torch.state.pool import StatePool
+
+__all__ = ["NonfiniteAmaxWarning", "NonfiniteWatch", "apply_update"]
+
+
+def apply_update(
+    pool: StatePool, recipe: DelayedScaling, fmax: float, ran: torch.Tensor | None
+) -> None:
+    """Run the update rule on the whole pool, in place, with no host synchronisation.
+
+    Args:
+        pool: the pool; its history row 0 holds this event's staging row (after any reduction).
+        recipe: the recipe; built-in algorithms run in one fused kernel
+            (``delayed_update_``), callables through the torch rule of :mod:`fp8kit.torch.scaling`.
+        fmax: largest finite value of the pool's format.
+        ran: None when every column takes part in the event, else a boolean ``(N,)`` device mask;
+            False columns are skipped and keep their staging value (e.g. a ``no_grad`` leftover).
+    """
+    if isinstance(recipe.amax_compute_algo, str) and recipe.scaling_factor_compute_algo is None:
+        delayed_update_(
+            pool.history,
+            pool.scale,
+            pool.scale_inv,
+            pool.update_count,
+            fmax=fmax,
+            margin=recipe.margin,
+            interval=recipe.interval,
+            algo=recipe.amax_compute_algo,
+            power_2_scale=recipe.power_2_scale,
+            ran=ran,
+            nonfinite_count=pool.nonfinite_count,
+        )
+        return
+    history = pool.history
+    kept = None
+    if ran is not None:
+        kept = history[0].clone()
+        history[0] = torch.where(ran, history[0], 0.0)
+    pool.nonfinite_count.add_(torch.isinf(history[0]))
+    new_history, new_scale, new_count = update_scaling_state(
+        history, pool.scale, pool.update_count, recipe, fmax
+    )
+    if kept is not None:
+        new_history[0] = torch.where(ran, new_history[0], kept)  # type: ignore[arg-type]
+    history.copy_(new_history)
+    pool.scale.copy_(new_scale)
+    pool.update_count.copy_(new_count)
+    torch.reciprocal(new_scale, out=pool.scale_inv)
+
+
+class NonfiniteWatch:
+    """Warns once per state when an infinite amax entered its history, without a host sync.
+
+    After each event the pool's ``nonfinite_count`` is copied to the host asynchronously (CUDA:
+    pinned buffer + event); the next event reads that copy only if it has arrived. On the CPU
+    the counts are read in place. So the warning comes one event late at most and never waits.
+    """
+
+    def __init__(self) -> None:
+        self._host: torch.Tensor | None = None  # last copy of the counts
+        self._ready: Any = None  # CUDA event of that copy, None when it is complete
+        self._seen = np.zeros(0, dtype=np.int64)  # counts already reported, per pool column
+
+    def check(
+        self,
+        pool: StatePool,
+        members: Callable[[], Sequence[ScalingState]],
+        direction: str,
+        recipe: DelayedScaling,
+    ) -> None:
+        """Look at ``pool``'s counts after an event (see the class doc).
+
+        ``members()`` lists the pool's states in column order (called only to name a state).
+        """
+        counts = pool.nonfinite_count
+        if counts.device.type == "cpu":
+            self._report(counts.numpy(), members, direction, recipe)
+            return
+        if self._host is not None and (self._ready is None or self._ready.query()):
+            if self._host.shape == counts.shape:
+                self._report(self._host.numpy(), members, direction, recipe)
+            self._host = None
+        if self._host is None and counts.device.type == "cuda":
+            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self._host.copy_(counts, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def _report(
+        self,
+        values: np.ndarray,
+        members: Callable[[], Sequence[ScalingState]],
+        direction: str,
+        recipe: DelayedScaling,
+    ) -> None:
+        seen = self._seen
+        if seen.shape != values.shape:
+            seen = self._seen = np.zeros_like(values)
+        if not (values > seen).any():
+            return
+        names = FwdSlot if direction == "forward" else BwdSlot
+        offset = 0
+        for state in members():
+            grew = np.nonzero(
+                values[offset : offset + state.num_slots] > seen[offset : offset + state.num_slots]
+            )[0]
+            offset += state.num_slots
+            if grew.size and state not in _warned:
+                _warned.add(state)
+                slots = ", ".join(names(int(i) % len(names)).name for i in grew)
+                warnings.warn(
+                    f"fp8kit: an infinite amax entered the {direction} amax history of "
+                    f"{state.label or 'an FP8 module'} (slot {slots}); as in Transformer Engine "
+                    f"that slot keeps its scale while the value is in the window (up to "
+                    f"amax_history_len={recipe.amax_history_len} update events). "
+                    "fp8_meta.<direction>.nonfinite_count counts such events per slot; the "
+                    "Inspector reports them. Warned once per module.",
+                    NonfiniteAmaxWarning,
+                    stacklevel=2,
+                )
+        self._seen = values.copy()
+
+
+class NonfiniteAmaxWarning(UserWarning):
+    """An inf amax reached an FP8 slot's history (its scale is frozen while it is there)."""
+
+
+_warned: weakref.WeakSet[ScalingState] = weakref.WeakSet()

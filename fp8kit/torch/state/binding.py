@@ -1,0 +1,29 @@
+"""Binding a recipe to FP8 state: the one place where a history gets the recipe's length.
+
+A module is built with a default history length; the first call under a recipe (and
+:func:`fp8kit.torch.init_fp8_state`, and an event for a state loaded with another length) binds
+the state to the recipe: the history is resized to ``recipe.amax_history_len`` (with a warning if
+it held values, docs/semantics.md section 6) and the recipe is recorded for checkpoints.
+"""
+
+from __future__ import annotations
+
+from fp8kit.recipe import DelayedScaling
+from fp8kit.torch.state.buffers import FP8Meta, ScalingState
+
+__all__ = ["bind_history_len", "bind_recipe"]
+
+
+def bind_history_len(state: ScalingState, recipe: DelayedScaling, why: str = "") -> None:
+    """Give ``state`` ``recipe.amax_history_len`` history rows (no-op when it has them)."""
+    length = recipe.amax_history_len
+    if state.history_len != length:
+        state.set_history_len(length, why or f"recipe amax_history_len={length}")
+
+
+def bind_recipe(meta: FP8Meta, recipe: DelayedScaling, why: str = "") -> None:
+    """Bind both states of ``meta`` to ``recipe``: history length and recorded recipe data."""
+    data = recipe.to_dict()
+    for state in (meta.forward, meta.backward):
+        bind_history_len(state, recipe, why)
+        state.recipe_data = data
