@@ -49,7 +49,7 @@ def fp8_round(values: np.ndarray, fmt: FP8Format) -> np.ndarray:
 def quantize_reference(x: np.ndarray, scale: float, fmt: FP8Format) -> tuple[np.ndarray, float]:
     """SPEC 2: values of ``saturate(rne(float32(x) * float32(scale)))`` and NaN-ignoring amax."""
     x32 = np.asarray(x, dtype=np.float32)
-    with np.errstate(over="ignore"):  # overflow to +-inf is meant: the cast saturates it
+    with np.errstate(over="ignore", invalid="ignore"):  # inf saturates; NaN (even sNaN) stays
         scaled = (x32 * np.float32(scale)).astype(np.float64)  # one float32 rounding, as spec
     q = fp8_round(scaled, fmt)
     finite_or_inf = np.abs(x32[~np.isnan(x32)])
