@@ -51,7 +51,8 @@ def quantize_reference(x: np.ndarray, scale: float, fmt: FP8Format) -> tuple[np.
     """docs/semantics.md section 2: values of ``saturate(rne(float32(x) * float32(scale)))`` and
     NaN-ignoring amax."""
     x32 = np.asarray(x, dtype=np.float32)
-    scaled = (x32 * np.float32(scale)).astype(np.float64)  # one float32 rounding, as the spec
+    with np.errstate(over="ignore", invalid="ignore"):  # inf saturates; NaN (even sNaN) stays
+        scaled = (x32 * np.float32(scale)).astype(np.float64)  # one float32 rounding, as spec
     q = fp8_round(scaled, fmt)
     finite_or_inf = np.abs(x32[~np.isnan(x32)])
     amax = float(finite_or_inf.max()) if finite_or_inf.size else 0.0
@@ -140,3 +141,44 @@ def scale_sequence(
         h, s, c = update_reference(h, s, c, recipe, fmax)
         out.append(float(s[0]))
     return out, h[:, 0]
+
+
+def current_scale_reference(amax: float, fmax: float, power_2_scale: bool = False) -> float:
+    """SPEC 2 current scaling: ``fmax / amax`` (float32), or its power-of-two floor
+    ``2**floor(log2(fmax / amax))``; 1 where the amax is 0 or not finite."""
+    recipe = DelayedScaling(power_2_scale=power_2_scale)
+    return new_scale_reference(amax, 1.0, fmax, recipe)
+
+
+FLOAT32_UNIT_ROUNDOFF = 2.0**-24
+"""``u`` of float32: one correctly rounded float32 operation has relative error <= u."""
+
+
+def fp8_rounding_band(
+    low: np.ndarray, high: np.ndarray, scale: float, fmt: FP8Format
+) -> tuple[np.ndarray, np.ndarray]:
+    """FP8 values (float64) between which ``rne(saturate(float32(v) * float32(scale)))`` must lie
+    for any ``v`` in the interval ``[low, high]`` (elementwise).
+
+    For a result computed in float32 that can only be bounded, not reproduced bit for bit (float32
+    accumulation order, float32 activation functions), this is the tight check: RNE rounding and
+    saturation are monotonic, so the FP8 code of every admissible ``v`` lies between the codes of
+    the interval's two ends. The interval is widened by ``2u`` relative for the float32 rounding
+    of ``v`` and of its product with the scale. Where the interval holds no rounding midpoint both
+    ends give the same code, so the check is exact there.
+
+    Args:
+        low, high: float64 bounds (before scaling) of the computed values, same shape.
+        scale: the quantization scale (rounded to float32 as the cast does).
+        fmt: target FP8 format.
+
+    Returns:
+        ``(code_low, code_high)``: float64 FP8 values, elementwise ``code_low <= code_high``.
+    """
+    s = float(np.float32(scale))
+    widen = 1.0 + 2.0 * FLOAT32_UNIT_ROUNDOFF
+    lo = np.asarray(low, np.float64) * s
+    hi = np.asarray(high, np.float64) * s
+    lo = np.where(lo < 0, lo * widen, lo / widen)
+    hi = np.where(hi > 0, hi * widen, hi / widen)
+    return fp8_round(lo, fmt), fp8_round(hi, fmt)

@@ -21,15 +21,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-
-@pytest.fixture
-def rng() -> np.random.Generator:
-    """A fresh, differently seeded generator per test (seed printed on failure)."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"numpy seed {seed}")
-    return np.random.default_rng(seed)
+# Fresh random inputs per test, reproducible from a failure's report (tests/README.md): the
+# ``rng`` fixture and the hook that reports its seed, activated by importing them here.
+from tests.seeding import pytest_runtest_makereport, rng  # noqa: E402, F401
 
 
 @pytest.fixture
-def key(rng: np.random.Generator) -> jax.Array:
-    return jax.random.key(int(rng.integers(0, 2**31 - 1)))
+def key(request: pytest.FixtureRequest) -> jax.Array:
+    """A JAX PRNG key drawn from the test's ``rng``: the reported seed reproduces it too."""
+    generator: np.random.Generator = request.getfixturevalue("rng")
+    return jax.random.key(int(generator.integers(0, 2**31 - 1)))

@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import fp8kit.torch as f8
-from fp8kit.formats import E4M3, E5M2
+from fp8kit.formats import E4M3, E5M2, FP8Format
 from fp8kit.torch import gemm
 from fp8kit.torch.gemm import Fp8GemmContractError
 from tests.reference import fp8_round
+from tests.torch.matmul_reference import activation64, assert_fp8_matmul_output
 
 
 @pytest.fixture(params=["dequant", "scaled_mm"])
@@ -107,16 +108,40 @@ def test_fp8_matmul_bias_activation_and_fp8_output(backend: str) -> None:
     )
     assert f8.fp8_matmul(a, b, out_dtype=torch.bfloat16).dtype == torch.bfloat16
 
+    # FP8 output without an activation: bias only, then no bias into E5M2
     out_scale = torch.tensor(448.0 / 20.0)
     q = f8.fp8_matmul(a, b, bias=vec, out_scale=out_scale)
     assert isinstance(q, f8.Float8Tensor) and q.dtype == torch.float8_e4m3fn
-    hp = exact + vec
-    assert q.amax.item() == pytest.approx(hp.abs().max().item(), rel=1e-6)
-    grid = fp8_round(hp.double().numpy() * np.float32(out_scale.item()), E4M3)
-    np.testing.assert_allclose(q.data.double().numpy(), grid, atol=0, rtol=0.07)
+    assert_fp8_matmul_output(q, a, b, vec, None, out_scale.item(), E4M3)
     q5 = f8.fp8_matmul(a, b, out_scale=1.0, out_fp8_dtype=torch.float8_e5m2)
-    grid5 = fp8_round(exact.double().numpy(), E5M2)
-    assert (q5.data.double().numpy() == grid5).mean() > 0.99  # float32 accumulation order only
+    assert_fp8_matmul_output(q5, a, b, None, None, 1.0, E5M2)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh"])
+@pytest.mark.parametrize(
+    ("out_fp8_dtype", "fmt"), [(torch.float8_e4m3fn, E4M3), (torch.float8_e5m2, E5M2)], ids=str
+)
+def test_fp8_matmul_activation_with_fp8_output(
+    backend: str, activation: str, out_fp8_dtype: torch.dtype, fmt: FP8Format
+) -> None:
+    """Bias, activation and the FP8 output together: every FP8 code and the returned amax
+    against float64 math (the combination the low-level example runs every step)."""
+    gen = torch.Generator().manual_seed(11)
+    a = _fp8(torch.randn(24, 40, generator=gen) * 3, scale=16.0)
+    b = _fp8(torch.randn(40, 20, generator=gen), torch.float8_e5m2, scale=0.5)
+    bias = torch.randn(20, generator=gen)
+    # The largest |pre-activation| is negative, so an amax taken before the activation (or an
+    # activation skipped) shows in the amax as well as in the codes.
+    exact = _ref(a) @ _ref(b)
+    bias[3] = -(float(np.abs(exact).max()) + 8.0)
+    # A non-power-of-two scale for which the largest outputs land near fmax (some saturate).
+    post = activation64(exact + bias.double().numpy(), activation)
+    out_scale = fmt.max / (0.9 * float(np.abs(post).max()))
+    q = f8.fp8_matmul(
+        a, b, bias=bias, activation=activation, out_scale=out_scale, out_fp8_dtype=out_fp8_dtype
+    )
+    assert isinstance(q, f8.Float8Tensor) and q.dtype == out_fp8_dtype
+    assert_fp8_matmul_output(q, a, b, bias, activation, out_scale, fmt)
 
 
 def test_fp8_matmul_bad_input() -> None:

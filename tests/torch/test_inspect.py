@@ -6,6 +6,7 @@ import copy
 import csv
 import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
 from fp8kit.torch import quantizer
 from fp8kit.torch.inspect import Inspector, cast_statistics
 from fp8kit.torch.inspect import stats as stats_module
+from fp8kit.torch.inspect.export import METRICS
 from fp8kit.torch.layers import LayerNormLinear, LayerNormMLP
 from fp8kit.torch.quantization import quantize
 
@@ -284,16 +286,56 @@ def test_csv_and_json_exports(tmp_path) -> None:
     assert steps == [0, 1] and values == [1000.0, 1000.0]
 
 
-def test_tensorboard_export(tmp_path) -> None:
+def test_tensorboard_export_without_tensorboard(tmp_path, monkeypatch) -> None:
+    """Where tensorboard is missing the export says how to get it (simulated where it is
+    installed: a None entry in sys.modules makes the import fail)."""
     inspector = _records_after_two_steps()
-    try:
-        import torch.utils.tensorboard  # noqa: F401
-    except ImportError:
-        with pytest.raises(RuntimeError, match="pip install tensorboard"):
-            inspector.to_tensorboard(tmp_path / "tb")
-        return
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(RuntimeError, match="pip install tensorboard"):
+        inspector.to_tensorboard(tmp_path / "tb")
+    assert not (tmp_path / "tb").exists()
+
+
+def _read_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the event files in ``log_dir``: tag -> [(step, value)] in step order."""
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    acc = event_accumulator.EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_export_reads_back(tmp_path) -> None:
+    """A real export, read back with tensorboard's own event reader: one scalar per finite
+    metric of every record, tagged fp8/<metric>/<slot>, at the record's step."""
+    pytest.importorskip("torch.utils.tensorboard")
+    inspector = _records_after_two_steps()
     inspector.to_tensorboard(tmp_path / "tb")
-    assert any((tmp_path / "tb").iterdir())
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for r in inspector.records:
+        for metric in METRICS:
+            value = getattr(r, metric)
+            if math.isfinite(value):  # an exact cast has snr_db = inf: nothing to plot
+                expected.setdefault(f"fp8/{metric}/{r.name}", []).append((r.step, value))
+    got = _read_scalars(tmp_path / "tb")
+    assert set(got) == set(expected)
+    for tag, points in expected.items():
+        # event files store float32 values
+        assert got[tag] == [(step, float(np.float32(v))) for step, v in points], tag
+    assert "fp8/snr_db/proj.INPUT" not in got  # inf in both steps
+    assert got["fp8/saturated/proj.WEIGHT"][0] == (0, float(np.float32(0.3)))  # 3 of 10
+
+    # An open writer is written into and left open for the caller.
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(tmp_path / "own"))
+    inspector.to_tensorboard(writer=writer)
+    writer.add_scalar("caller/after", 7.0, 3)  # still usable
+    writer.close()
+    own = _read_scalars(tmp_path / "own")
+    assert own.pop("caller/after") == [(3, 7.0)]
+    assert own == got
 
 
 def test_plot_writes_a_png(tmp_path) -> None:

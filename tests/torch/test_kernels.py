@@ -174,6 +174,10 @@ def _fallback_cast_is_correct() -> None:
     ref, ref_amax = cast_to_fp8_reference(x, _scale(2.0), E4M3)
     assert torch.equal(data.view(torch.uint8), ref.view(torch.uint8))
     assert amax.item() == ref_amax.item() == _torch_amax(x).item()
+    # ... and both are right: the independent numpy model of tests/reference.py
+    want, want_amax = quantize_reference(x.numpy(), 2.0, E4M3)
+    np.testing.assert_array_equal(data.to(torch.float64).numpy(), want)
+    assert amax.item() == want_amax
     assert nan_ignoring_amax(x).item() == ref_amax.item()
     q = Float8Tensor(data, _scale(0.7))
     for dtype in DTYPES:
@@ -385,6 +389,40 @@ def test_against_independent_numpy_reference(fmt: FP8Format, dtype: torch.dtype)
         got = data.to(torch.float64).numpy()
         np.testing.assert_array_equal(got, want)
         assert amax.item() == want_amax
+
+
+def _edge_values_in(dtype: torch.dtype, fmt: FP8Format) -> torch.Tensor:
+    """The float32 edge values of ``fmt`` in ``dtype``, plus (16-bit dtypes) each value's two
+    neighbours in ``dtype``: FP8 values and midpoints are exact in bfloat16 and float16, their
+    float32 neighbours are not, so the values just off a tie are rebuilt in the narrow type."""
+    x = _float32_edge_values(fmt).to(dtype)
+    if dtype == torch.float32:
+        return x
+    finite = x[torch.isfinite(x)].view(torch.int16)
+    up = (finite.to(torch.int32) + 1).to(torch.int16).view(dtype)
+    down = (finite.to(torch.int32) - 1).to(torch.int16).view(dtype)
+    return torch.cat([x, up, down])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_torch_fallback_against_independent_numpy_reference(
+    fmt: FP8Format, dtype: torch.dtype
+) -> None:
+    """``cast_to_fp8_reference`` (the pure-torch fallback every machine without the native
+    kernel runs) against tests/reference.py, on every machine: zeros of both signs, float32 and
+    FP8 subnormals, every FP8 value and midpoint (ties to even) and their neighbours, +-fmax and
+    beyond, +-inf, NaNs."""
+    x = _edge_values_in(dtype, fmt)
+    for scale in (1.0, 0.5, 2.0, 448.0 / 3.0, 2.0**-30, 3.0e38):
+        data, amax = cast_to_fp8_reference(x, _scale(scale), fmt)
+        want, want_amax = quantize_reference(x.float().numpy(), scale, fmt)
+        got = data.to(torch.float64).numpy()
+        what = f"{dtype} scale={scale}"
+        np.testing.assert_array_equal(got, want, err_msg=what)  # NaN where NaN, values equal
+        same_sign = np.signbit(got) == np.signbit(want)
+        assert same_sign[~np.isnan(want)].all(), what  # -0 stays -0
+        assert amax.item() == want_amax, what
 
 
 # ---------------------------------------------------------------------------------------------

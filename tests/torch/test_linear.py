@@ -11,7 +11,7 @@ import fp8kit.torch as f8
 from fp8kit.formats import E4M3, E5M2, FP8Format
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
 from fp8kit.torch import gemm
-from tests.reference import fp8_round
+from tests.reference import current_scale_reference, fp8_round
 
 INPUT, WEIGHT, OUTPUT = f8.FwdSlot.INPUT, f8.FwdSlot.WEIGHT, f8.FwdSlot.OUTPUT
 GRAD_OUTPUT, GRAD_INPUT = f8.BwdSlot.GRAD_OUTPUT, f8.BwdSlot.GRAD_INPUT
@@ -238,21 +238,32 @@ def test_bfloat16_parameters_and_activations() -> None:
     assert _rel(layer.weight.grad, gq.T @ xq) < 2**-8
 
 
-def test_current_scaling_recipe() -> None:
+@pytest.mark.parametrize("power_2_scale", [False, True])
+def test_current_scaling_recipe(power_2_scale: bool) -> None:
+    """Every cast uses fmax / amax of its own tensor, or (power_2_scale) that ratio's
+    power-of-two floor: the three GEMMs' results against float64 with those scales."""
     torch.manual_seed(5)
     layer = f8.Linear(32, 16)
     x = torch.randn(8, 32, requires_grad=True) * 1000
     g = torch.randn(8, 16) * 1e-3
-    y = _train_step(layer, x, g, Float8CurrentScaling())
+    x.retain_grad()
+    y = _train_step(layer, x, g, Float8CurrentScaling(power_2_scale=power_2_scale))
 
-    def cs(t: torch.Tensor, fmt: FP8Format) -> float:
-        return float(np.float32(fmt.max) / np.float32(t.detach().abs().max().item()))
+    def refs(power_2: bool) -> dict[str, np.ndarray]:
+        def cs(t: torch.Tensor, fmt: FP8Format) -> float:
+            return current_scale_reference(t.detach().abs().max().item(), fmt.max, power_2)
 
-    xq = qdq(x, cs(x, E4M3), E4M3)
-    wq = qdq(layer.weight, cs(layer.weight, E4M3), E4M3)
-    gq = qdq(g, cs(g, E5M2), E5M2)
-    assert _rel(y - layer.bias, xq @ wq.T) < 1e-5
-    assert _rel(layer.weight.grad, gq.T @ xq) < 1e-5
+        xq = qdq(x, cs(x, E4M3), E4M3)
+        wq = qdq(layer.weight, cs(layer.weight, E4M3), E4M3)
+        gq = qdq(g, cs(g, E5M2), E5M2)
+        return {"y": xq @ wq.T, "dx": gq @ wq, "dw": gq.T @ xq}
+
+    want, other = refs(power_2_scale), refs(not power_2_scale)
+    got = {"y": y - layer.bias, "dx": x.grad, "dw": layer.weight.grad}
+    for name, value in got.items():
+        assert _rel(value, want[name]) < 1e-5, name  # float32 accumulation only
+        # The other scale rule gives FP8 operands a quantum apart: it would fail the bound.
+        assert _rel(want[name], other[name]) > 1e-3, name
     assert layer.fp8_meta.forward.amax_history.abs().sum().item() == 0  # no state involved
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -40,7 +41,8 @@ def test_spec_worked_number_12_scaled_cast_and_dequantize() -> None:
 @pytest.mark.parametrize(("dtype", "fmt"), FORMATS)
 @pytest.mark.parametrize("scale", [1.0, 448.0 / 3.0, 2.0**-7, 12345.678])
 def test_random_values_match_reference(dtype: torch.dtype, fmt: FP8Format, scale: float) -> None:
-    gen = torch.Generator().manual_seed(hash((str(dtype), scale)) % 2**31)
+    # A fixed seed per case (str hashes change between processes: a failure must reproduce).
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype} {scale!r}".encode()))
     x = torch.randn(4099, generator=gen) * torch.exp2(torch.randint(-12, 12, (4099,)).float())
     q = f8.quantize(x, scale, dtype)
     ref, amax = quantize_reference(x.numpy(), scale, fmt)
