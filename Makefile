@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fp8kit-installed
 
-.PHONY: setup test test-fast lint demo bench clean
+.PHONY: setup test test-fast lint demo bench bench-gpu clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 $(PY) -m benchmarks.run_all
+
+# GPU figures (issue 9): prints "no CUDA device" and exits 0 on a machine without one.
+bench-gpu: $(STAMP)
+	$(PY) -m benchmarks.gpu --out bench-gpu.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

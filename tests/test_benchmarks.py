@@ -27,3 +27,24 @@ def test_memory_benchmark_counts_fp8_activations_at_a_quarter() -> None:
     fp8 = saved_bytes(f8.convert_model(_stack(32, 3, gelu=False)), x, fp8=True)
     assert fp32 == {"weights": 0, "activations": 3 * 64 * 32 * 4}
     assert fp8 == {"weights": 3 * 32 * 32, "activations": 3 * 64 * 32}
+
+
+def test_bench_gpu_without_cuda_says_so_and_exits_0(tmp_path) -> None:
+    """``make bench-gpu`` on a CPU-only machine: one clear line, exit code 0, no JSON."""
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: bench-gpu would measure")
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "no CUDA device: bench-gpu measures GPU figures only" in proc.stdout
+    assert not out.exists()
