@@ -20,6 +20,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import warnings
 from dataclasses import dataclass
@@ -927,9 +928,11 @@ def api_cases() -> tuple[CastCase, ...]:
     for fmt in FORMATS:
         for dtype in DTYPES:
             x = _api_inputs(fmt, dtype)
-            for s in API_SCALES:
+            # the slow test below runs every 16-bit pattern at every scale
+            for s in API_SCALES if dtype == torch.float32 else API_SCALES[::2]:
                 cases.append(CastCase(f"edge {fmt} {dtype} scale={s}", "cast", x, fmt, s))
-            cases.append(CastCase(f"long {fmt} {dtype}", "cast", _long_input(dtype), fmt, 0.7))
+        dtype = DTYPES[FORMATS.index(fmt)]
+        cases.append(CastCase(f"long {fmt} {dtype}", "cast", _long_input(dtype), fmt, 0.7))
     # one row / column, odd, whole 64 x 64 tiles, and (with the interpreter's 1-SM grid) several
     # row tiles per program, ragged and whole
     shapes = [(1, 77), (77, 1), (33, 65), (64, 128), (130, 200), (192, 256)]
@@ -941,58 +944,49 @@ def api_cases() -> tuple[CastCase, ...]:
             x.view(-1)[11] = float("nan")
             x.view(-1)[13] = float("-inf")
         s = fmt.max / 1000.0
-        cases += [
-            CastCase(f"T+dbias {m}x{n} {dtype}", "cast", x, fmt, s, True, True, "element", 0.5),
-            CastCase(f"T {m}x{n} {dtype}", "cast", x, fmt, s, transpose=True),
-            CastCase(f"dbias {m}x{n} {dtype}", "cast", _matrix(m, n, dtype, i), fmt, s, dbias=True),
-        ]
+        cases.append(
+            CastCase(f"T+dbias {m}x{n} {dtype}", "cast", x, fmt, s, True, True, "element", 0.5)
+        )
+        if i in (2, 4):
+            y = _matrix(m, n, dtype, i)
+            cases += [
+                CastCase(f"T {m}x{n} {dtype}", "cast", x, fmt, s, transpose=True),
+                CastCase(f"dbias {m}x{n} {dtype}", "cast", y, fmt, s, dbias=True, fold="slice"),
+            ]
     base = _matrix(70, 130, torch.bfloat16, seed=9)
     cases += [
         CastCase("non-contiguous 1-D", "cast", base[:, ::3], E4M3, 3.0),
         CastCase("non-contiguous T+dbias", "cast", base.t(), E5M2, 3.0, True, True),
         CastCase("3-D", "cast", base.reshape(7, 10, 130), E4M3, 3.0, fold="slice", fold_init=1e30),
         CastCase("fold keeps larger", "cast", base, E4M3, 3.0, fold="element", fold_init=1e30),
-        CastCase("fold replaces smaller", "cast", base, E4M3, 3.0, fold="slice", fold_init=1.0),
     ]
     for dtype in (torch.bfloat16, torch.float16):
-        cases.append(
-            CastCase(
-                f"dbias exact pairs {dtype}", "cast", _dbias_pairs(dtype), E5M2, 1.0, dbias=True
-            )
-        )
+        pairs = _dbias_pairs(dtype)
+        cases.append(CastCase(f"dbias exact pairs {dtype}", "cast", pairs, E5M2, 1.0, dbias=True))
     x = _matrix(96, 64, torch.bfloat16, seed=3)
-    zeros = torch.zeros(40, 64)
     for count in (0, 2):
+        name = f"first step count={count}"
         cases += [
-            CastCase(
-                f"first step count={count}",
-                "cast",
-                x,
-                E4M3,
-                3.0,
-                True,
-                False,
-                "element",
-                0.0,
-                count,
-            ),
+            CastCase(name, "cast", x, E4M3, 3.0, True, False, "element", 0.0, count),
             CastCase(f"first step 1-D count={count}", "cast", x.view(-1), E5M2, 5.0, count=count),
-            CastCase(f"first step zeros count={count}", "cast", zeros, E4M3, 3.0, count=count),
         ]
+    cases.append(CastCase("first step zeros", "cast", torch.zeros(40, 64), E4M3, 3.0, count=0))
     currents = {
         "random bf16": _matrix(96, 64, torch.bfloat16, seed=4),
         "random f32 1-D": _matrix(1, 9000, torch.float32, seed=5).view(-1),
         "random f16": _matrix(33, 65, torch.float16, seed=6),
         "zeros": torch.zeros(33, 65),
-        "all NaN": torch.full((5, 7), float("nan"), dtype=torch.bfloat16),
-        "with inf": torch.tensor([[1.0, float("inf")], [-3.0, 2.0]]),
-        "subnormal amax": torch.tensor([[1e-40, -1e-41], [0.0, 3e-42]]),
-        "huge amax": torch.tensor([[3e38, -1.0], [2.0, 5.0]]),
-        "bf16 subnormal amax": torch.tensor([[1e-39, 0.0]], dtype=torch.bfloat16),
+        "all NaN": torch.full((35,), float("nan"), dtype=torch.bfloat16),
+        "with inf": torch.tensor([1.0, float("inf"), -3.0, 2.0]),
+        "subnormal amax": torch.tensor([1e-40, -1e-41, 0.0, 3e-42]),
+        "huge amax": torch.tensor([3e38, -1.0, 2.0, 5.0]),
+        "bf16 subnormal amax": torch.tensor([1e-39, 0.0], dtype=torch.bfloat16),
     }
     for name, cx in currents.items():
-        for fmt in FORMATS:
-            for p2 in (False, True):
+        random = name.startswith("random")
+        for fmt in FORMATS if random else [E4M3]:
+            # p2 matters where the ratio is finite and not capped
+            for p2 in (False, True) if random or "amax" in name else (False,):
                 two_d = cx.dim() == 2
                 cases.append(
                     CastCase(
@@ -1001,7 +995,7 @@ def api_cases() -> tuple[CastCase, ...]:
                         cx,
                         fmt,
                         transpose=two_d,
-                        dbias=two_d and name.startswith("random"),
+                        dbias=two_d and random,
                         power_2=p2,
                     )
                 )
@@ -1188,18 +1182,29 @@ def test_api_reference() -> None:
     _check_all(run_all_cases("reference"), "reference")
 
 
-def test_api_triton_under_interpreter(tmp_path: Path) -> None:
+@functools.cache
+def triton_results() -> tuple[list, list]:
+    """The cast cases here and the update cases of test_update_kernel.py run through the Triton
+    kernels under TRITON_INTERPRET=1, in one subprocess (its start-up is most of the cost)."""
+    tmp = Path(tempfile.mkdtemp(prefix="fp8kit-triton-"))
+    try:
+        code = f"""
+            from tests.torch import test_kernels, test_update_kernel
+            test_kernels.run_all_cases("triton", {str(tmp / "cast.pt")!r})
+            test_update_kernel.run_all_cases("triton", {str(tmp / "update.pt")!r})
+            print("TRITON_OK")
+        """
+        rc, out, err = _finish(_start_python(code, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore"))
+        assert rc == 0 and "TRITON_OK" in out, out + err
+        return torch.load(tmp / "cast.pt"), torch.load(tmp / "update.pt")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_api_triton_under_interpreter() -> None:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (optional: pip install -c constraints.txt triton)")
-    path = tmp_path / "triton_results.pt"
-    code = f"""
-        from tests.torch.test_kernels import run_all_cases
-        run_all_cases("triton", {str(path)!r})
-        print("TRITON_OK")
-    """
-    rc, out, err = _finish(_start_python(code, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore"))
-    assert rc == 0 and "TRITON_OK" in out, out + err
-    _check_all(torch.load(path), "triton")
+    _check_all(triton_results()[0], "triton")
 
 
 def test_api_current_equals_quantize_current() -> None:
