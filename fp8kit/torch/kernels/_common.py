@@ -72,9 +72,11 @@ class CastSpec:
         fmax: largest finite value of the format (Python float, exact in float32).
         in_dtype: the input dtype (float32, bfloat16 or float16).
         in_id: 0 / 1 / 2, the kernels' input dtype code.
+        current_rules: the current-scaling :class:`UpdateConfig` without and with
+            ``power_2_scale`` (index by the bool).
     """
 
-    __slots__ = ("fmax", "fmt", "fmt_id", "fp8_dtype", "in_dtype", "in_id")
+    __slots__ = ("current_rules", "fmax", "fmt", "fmt_id", "fp8_dtype", "in_dtype", "in_id")
 
     def __init__(self, fmt: FP8Format, fp8_dtype: torch.dtype, in_dtype: torch.dtype) -> None:
         self.fmt = fmt
@@ -83,6 +85,7 @@ class CastSpec:
         self.fmax = float(fmt.max)
         self.in_dtype = in_dtype
         self.in_id = INPUT_DTYPES.index(in_dtype)
+        self.current_rules: tuple[UpdateConfig, UpdateConfig] = ()  # type: ignore[assignment]
 
     def __repr__(self) -> str:
         return f"CastSpec({self.fmt.name}, {self.in_dtype})"
@@ -226,3 +229,7 @@ def _times_pow2(value: float, exponent: float) -> float:
 def current_config(fmax: float, power_2_scale: bool) -> UpdateConfig:
     """The rule of current scaling: ``fmax / amax`` (margin 0), power of two if asked."""
     return update_config(fmax, 0, 1, "max", power_2_scale)
+
+
+for _spec in _SPECS.values():
+    _spec.current_rules = (current_config(_spec.fmax, False), current_config(_spec.fmax, True))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8kit.torch.kernels._common import CastResult, CastSpec, UpdateConfig, current_config
+from fp8kit.torch.kernels._common import CastResult, CastSpec, UpdateConfig
 from fp8kit.torch.kernels._native import ISA_AUTO, _raise_status, load_native
 
 __all__ = ["amax", "cast", "cast_current", "delayed_update"]
@@ -86,7 +86,7 @@ def cast(
 ) -> CastResult:
     """:func:`fp8kit.torch.kernels.cast_fp8` in one native call."""
     mode = _MODE_GIVEN if first_step_count is None else _MODE_FIRST_STEP
-    config = current_config(spec.fmax, False)
+    config = spec.current_rules[False]
     return _run(x, spec, mode, scale, first_step_count, config, transpose, amax_out, dbias)
 
 
@@ -94,7 +94,7 @@ def cast_current(
     x: torch.Tensor, spec: CastSpec, power_2_scale: bool, transpose: bool, dbias: bool
 ) -> CastResult:
     """:func:`fp8kit.torch.kernels.cast_fp8_current` in one native call (amax pass + cast)."""
-    config = current_config(spec.fmax, power_2_scale)
+    config = spec.current_rules[power_2_scale]
     return _run(x, spec, _MODE_CURRENT, None, None, config, transpose, None, dbias)
 
 
