@@ -15,6 +15,7 @@ from fp8kit.torch.kernels.reference import compute_scale, count_events, roll_his
 
 __all__ = ["compute_scale", "new_scale", "update_scaling_state"]
 
+
 def new_scale(
     amax: torch.Tensor, old_scale: torch.Tensor, fmax: float, recipe: DelayedScaling
 ) -> torch.Tensor:
