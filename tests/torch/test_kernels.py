@@ -34,6 +34,7 @@ from fp8kit.formats import E4M3, E5M2, FP8Format
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch import kernels
 from fp8kit.torch.kernels import dispatch
+from fp8kit.torch.kernels._common import cast_spec as _spec
 from fp8kit.torch.quantization import (
     Float8Tensor,
     cast_to_fp8,
@@ -1450,3 +1451,37 @@ def test_triton_kernels_lower_for_hopper() -> None:
         assert int(lines[f"{name} atomics"]) == 1, out
         assert int(lines[f"{name} div.rn"]) == 1, out
     assert "1d bad []" in out and "2d bad []" in out, out
+
+
+def test_triton_failure_warns_once_then_runs_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Triton kernel that raises (no GPU compiler, a launch error) is reported once; the call
+    is redone in torch and later calls go straight to torch (dispatch.py's CUDA rule, driven
+    here with CPU tensors and a Triton backend that fails)."""
+    from fp8kit.torch.kernels import reference
+
+    attempts: list[str] = []
+
+    class BrokenTriton:
+        def cast(self, *args: object) -> None:
+            attempts.append("cast")
+            raise RuntimeError("ptxas not found")
+
+    def cuda_rule(x: torch.Tensor) -> tuple[str, object]:  # what _auto does for CUDA tensors
+        triton_backend = dispatch._load_triton()
+        return ("triton", triton_backend) if triton_backend else ("reference", reference)
+
+    monkeypatch.setattr(dispatch, "_triton_state", {"backend": BrokenTriton(), "error": None})
+    monkeypatch.setattr(dispatch, "_auto", cuda_rule)
+    x = _matrix(33, 65, torch.bfloat16, seed=1)
+    s = torch.tensor(2.0)
+    want = reference.cast(x, s, _spec(E4M3, x), True, None, True, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            got = kernels.cast_fp8(x, s, E4M3, transpose=True, dbias=True)
+            assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+            assert torch.equal(got.dbias, want.dbias) and torch.equal(got.amax, want.amax)
+    ours = [w for w in caught if issubclass(w.category, kernels.NativeKernelWarning)]
+    assert len(ours) == 1 and "ptxas not found" in str(ours[0].message)
+    assert attempts == ["cast"]
+    assert not kernels.triton_available()
