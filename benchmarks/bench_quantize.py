@@ -27,6 +27,9 @@ Variants (E4M3, scale 448/3):
   ``quantize_current`` now, without its ``Float8Tensor`` and reciprocal).
 - ``fp8kit, cast + transpose`` / ``eager torch, cast + transpose``: data and its row-major
   transpose (what wgrad needs), native one pass vs reference cast + ``.t().contiguous()``.
+- ``fp8kit cast_fp8 ...`` / ``cast_fp8_current``: the kernel API the Linear hot path calls
+  (``fp8kit.torch.kernels``): the amax folded into a staging entry, ``scale_inv`` and, with the
+  transpose, the bias gradient (column sums) in the same native call.
 """
 
 from __future__ import annotations
@@ -115,6 +118,15 @@ def _variants(x: torch.Tensor, transpose: bool) -> list[Variant]:
             "eager torch, delayed",
         ),
     ]
+    slot = torch.zeros(4, 3)[0, 1]  # a staging entry, as a state's row
+    out.append(
+        Variant(
+            "fp8kit cast_fp8 (1 read, amax into a staging view)",
+            lambda: kernels.cast_fp8(x, scale, E4M3, amax_out=slot),
+            one_pass,
+            "eager torch, delayed",
+        )
+    )
     if kernels.native_available():
         for isa in (kernels.ISA_AVX2, kernels.ISA_SCALAR):
             if isa < kernels.native_isa_level():
@@ -142,6 +154,14 @@ def _variants(x: torch.Tensor, transpose: bool) -> list[Variant]:
             "eager torch, current scaling",
         ),
     ]
+    out.append(
+        Variant(
+            "fp8kit cast_fp8_current (one call: amax pass + cast)",
+            lambda: kernels.cast_fp8_current(x, E4M3),
+            one_pass,
+            "eager torch, current scaling",
+        )
+    )
     if kernels.native_available():
         out.append(
             Variant(
@@ -163,6 +183,12 @@ def _variants(x: torch.Tensor, transpose: bool) -> list[Variant]:
             Variant(
                 "fp8kit, cast + transpose (1 read)",
                 lambda: kernels.cast_to_fp8_transpose(x2, scale, E4M3),
+                n * (item + 2),
+                "eager torch, cast + transpose",
+            ),
+            Variant(
+                "fp8kit cast_fp8 transpose + dbias (1 read)",
+                lambda: kernels.cast_fp8(x2, scale, E4M3, transpose=True, dbias=True),
                 n * (item + 2),
                 "eager torch, cast + transpose",
             ),

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from fp8kit.formats import E4M3, E5M2, FP8Format, check_scale_number
+from fp8kit.torch.kernels import reference
+from fp8kit.torch.kernels.reference import cast_to_fp8_reference
 from fp8kit.torch.scaling import compute_scale
 
 __all__ = [
@@ -142,12 +144,7 @@ def nan_ignoring_amax(x: torch.Tensor) -> torch.Tensor:
 
         if kernels.load_native() is not None:
             return kernels.native_amax(x)
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    a = x.abs()
-    if x.is_floating_point():
-        a = torch.where(torch.isnan(a), 0.0, a)
-    return a.amax().to(torch.float32)
+    return reference.nan_ignoring_amax(x)
 
 
 def cast_to_fp8(
@@ -186,29 +183,6 @@ def cast_to_fp8(
             if out is not None:
                 return out
     return cast_to_fp8_reference(x, scale, fmt)
-
-
-def cast_to_fp8_reference(
-    x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure-torch :func:`cast_to_fp8`: the fallback and the reference the kernels must match.
-
-    ``float32(x) * scale`` (one float32 multiply), clamp to ``+-fmt.max`` (saturate, inf included,
-    NaN kept), torch's round-to-nearest-even cast; amax = NaN-ignoring ``max |x|``. Two or more
-    passes over ``x``.
-
-    Args:
-        x: float32 / bfloat16 / float16 tensor, any shape.
-        scale: float32 tensor with one element (the quantization scale).
-        fmt: target FP8 format.
-
-    Returns:
-        ``(data, amax)``: FP8 tensor of ``x.shape`` and a float32 0-d tensor.
-    """
-    scaled = x.to(torch.float32) * scale.reshape(())
-    scaled.clamp_(-fmt.max, fmt.max)  # saturate; +-inf -> +-fmax; NaN stays NaN
-    data = scaled.to(torch_dtype_of(fmt))
-    return data, nan_ignoring_amax(x)
 
 
 def _as_scale_tensor(scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:

@@ -12,6 +12,7 @@ the interpreter is chosen when the kernel is defined).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import os
@@ -19,8 +20,10 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,15 +31,20 @@ import pytest
 import torch
 
 from fp8kit.formats import E4M3, E5M2, FP8Format
+from fp8kit.recipe import DelayedScaling
 from fp8kit.torch import kernels
+from fp8kit.torch.kernels import dispatch
+from fp8kit.torch.kernels._common import cast_spec as _spec
 from fp8kit.torch.quantization import (
     Float8Tensor,
     cast_to_fp8,
     cast_to_fp8_reference,
     dequantize,
     nan_ignoring_amax,
+    quantize_current,
+    torch_dtype_of,
 )
-from tests.reference import quantize_reference
+from tests.reference import new_scale_reference, quantize_reference
 
 REPO = Path(__file__).resolve().parents[2]
 FORMATS = [E4M3, E5M2]
@@ -748,13 +756,13 @@ def test_dequantize_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
     if not kernels.native_available():
         pytest.skip(f"native kernel unavailable: {kernels.native_build_error()}")
     calls: list[torch.dtype] = []
-    real = kernels.native_dequantize
+    real = dispatch.native_dequantize
 
     def spy(data: torch.Tensor, *args: object) -> torch.Tensor:
         calls.append(data.dtype)
         return real(data, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(kernels, "native_dequantize", spy)
+    monkeypatch.setattr(dispatch, "native_dequantize", spy)
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(70, 48, generator=gen) * 100
     for fp8 in FP8_DTYPES:
@@ -797,13 +805,13 @@ def test_dequant_mm_unchanged_and_uses_kernel(monkeypatch: pytest.MonkeyPatch) -
     if not kernels.native_available():
         pytest.skip(f"native kernel unavailable: {kernels.native_build_error()}")
     calls: list[tuple[int, ...]] = []
-    real = kernels.native_dequantize
+    real = dispatch.native_dequantize
 
     def spy(data: torch.Tensor, *args: object) -> torch.Tensor:
         calls.append(data.stride())
         return real(data, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(kernels, "native_dequantize", spy)
+    monkeypatch.setattr(dispatch, "native_dequantize", spy)
     gen = torch.Generator().manual_seed(13)
     m, k, n = 48, 80, 32
     for fa, fb in (
@@ -876,15 +884,507 @@ def test_nan_ignoring_amax_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton (interpreter on the CPU)
+# The kernel API (cast_fp8, cast_fp8_current, compute_amax) on every backend
+# ---------------------------------------------------------------------------------------------
+# One deterministic list of cases runs through each backend: native and reference in this
+# process, Triton under TRITON_INTERPRET=1 in a subprocess (the interpreter is chosen when the
+# kernels are defined) that saves its results for this process to check. Every result is
+# checked against tests/reference.py (numpy, written from the SPEC) and, for the FP8 bits, the
+# torch reference; see docs/decisions/0210-kernel-api-and-dispatch.md for the API.
+
+API_SCALES = [1.0, 448.0 / 3.0, 3.0e38, 2.0**-30, 0.7]
+U32 = 2.0**-24  # float32 unit roundoff
+# Cases up to this size are compared with tests/reference.py's per-element FP8 rounding (a
+# Python loop); larger ones with the torch reference (itself checked against it above).
+_NUMPY_LIMIT = 8192
+
+
+@dataclass
+class CastCase:
+    """One call of the API. ``kind``: "cast" (cast_fp8), "current" (cast_fp8_current) or
+    "amax" (compute_amax). ``fold``: None, or "element" / "slice": amax_out is a 0-d / (1,)
+    view of one entry of a (6, 4) staging buffer's column, holding ``fold_init`` before."""
+
+    name: str
+    kind: str
+    x: torch.Tensor
+    fmt: FP8Format = E4M3
+    scale: float = 1.0
+    transpose: bool = False
+    dbias: bool = False
+    fold: str | None = None
+    fold_init: float = 0.0
+    count: int | None = None
+    power_2: bool = False
+
+
+def _api_inputs(fmt: FP8Format, dtype: torch.dtype) -> torch.Tensor:
+    """Edge values (zeros, subnormals, every FP8 value and midpoint and their neighbours,
+    +-fmax, above fmax, +-inf, NaNs) in ``dtype``, and for 16-bit dtypes every 29th pattern."""
+    edge = _float32_edge_values(fmt).to(dtype)
+    if dtype == torch.float32:
+        return edge
+    return torch.cat([edge, _all_16bit_patterns(dtype)[::29]])
+
+
+def _long_input(dtype: torch.dtype) -> torch.Tensor:
+    """5 blocks of the 1-D kernel and a tail (the interpreter's grid walks several per program)."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(5 * 4096 + 77, generator=gen) * 100
+    x[::997] = float("nan")
+    x[5] = float("inf")
+    return x.to(dtype)
+
+
+def _matrix(m: int, n: int, dtype: torch.dtype, seed: int, specials: bool = True) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, n, generator=gen) * torch.logspace(-3, 3, n)[None, :]
+    if specials and x.numel() > 8:
+        flat = x.view(-1)
+        flat[3] = 0.0
+        flat[5] = -0.0
+        flat[-2] = 1e-41 if dtype == torch.float32 else 1e-6
+    return x.to(dtype)
+
+
+def _dbias_pairs(dtype: torch.dtype) -> torch.Tensor:
+    """Two rows whose float32 column sums are exact, so dbias must equal torch's rounding of
+    them: random pairs with close exponents, round-to-even ties, and the dtype's overflow."""
+    gen = torch.Generator().manual_seed(17)
+    exponents = torch.randint(-3, 4, (2, 256), generator=gen).float()
+    a = (torch.rand(256, generator=gen) + 0.5) * torch.exp2(exponents[0])
+    b = (torch.rand(256, generator=gen) - 0.5) * torch.exp2(exponents[1])
+    a, b = a.to(dtype), b.to(dtype)
+    mant = 8 if dtype == torch.bfloat16 else 11
+    a[:4] = 1.0  # 1 + half an ulp (tie, to even: 1), 1 + 1.5 ulp (tie, up), exact, negative
+    b[:4] = torch.tensor([2.0**-mant, 3 * 2.0**-mant, 2.0 ** -(mant - 1), -0.75])
+    big = torch.finfo(dtype).max
+    a[4], b[4] = big, big  # overflow to inf
+    return torch.stack([a, b])
+
+
+@functools.cache
+def api_cases() -> tuple[CastCase, ...]:
+    """The cases every backend runs (deterministic; sized for the Triton interpreter)."""
+    cases: list[CastCase] = []
+    for fmt in FORMATS:
+        for dtype in DTYPES:
+            x = _api_inputs(fmt, dtype)
+            # the slow test below runs every 16-bit pattern at every scale
+            for s in API_SCALES if dtype == torch.float32 else API_SCALES[::2]:
+                cases.append(CastCase(f"edge {fmt} {dtype} scale={s}", "cast", x, fmt, s))
+        dtype = DTYPES[FORMATS.index(fmt)]
+        cases.append(CastCase(f"long {fmt} {dtype}", "cast", _long_input(dtype), fmt, 0.7))
+    # one row / column, odd, whole 64 x 64 tiles, and (with the interpreter's 1-SM grid) several
+    # row tiles per program, ragged and whole
+    shapes = [(1, 77), (77, 1), (33, 65), (64, 128), (130, 200), (192, 256)]
+    for i, (m, n) in enumerate(shapes):
+        dtype = DTYPES[i % 3]
+        fmt = FORMATS[i % 2]
+        x = _matrix(m, n, dtype, seed=i)
+        if x.numel() > 20:
+            x.view(-1)[11] = float("nan")
+            x.view(-1)[13] = float("-inf")
+        s = fmt.max / 1000.0
+        cases.append(
+            CastCase(f"T+dbias {m}x{n} {dtype}", "cast", x, fmt, s, True, True, "element", 0.5)
+        )
+        if i in (2, 4):
+            y = _matrix(m, n, dtype, i)
+            cases += [
+                CastCase(f"T {m}x{n} {dtype}", "cast", x, fmt, s, transpose=True),
+                CastCase(f"dbias {m}x{n} {dtype}", "cast", y, fmt, s, dbias=True, fold="slice"),
+            ]
+    base = _matrix(70, 130, torch.bfloat16, seed=9)
+    cases += [
+        CastCase("non-contiguous 1-D", "cast", base[:, ::3], E4M3, 3.0),
+        CastCase("non-contiguous T+dbias", "cast", base.t(), E5M2, 3.0, True, True),
+        CastCase("3-D", "cast", base.reshape(7, 10, 130), E4M3, 3.0, fold="slice", fold_init=1e30),
+        CastCase("fold keeps larger", "cast", base, E4M3, 3.0, fold="element", fold_init=1e30),
+    ]
+    for dtype in (torch.bfloat16, torch.float16):
+        pairs = _dbias_pairs(dtype)
+        cases.append(CastCase(f"dbias exact pairs {dtype}", "cast", pairs, E5M2, 1.0, dbias=True))
+    x = _matrix(96, 64, torch.bfloat16, seed=3)
+    for count in (0, 2):
+        name = f"first step count={count}"
+        cases += [
+            CastCase(name, "cast", x, E4M3, 3.0, True, False, "element", 0.0, count),
+            CastCase(f"first step 1-D count={count}", "cast", x.view(-1), E5M2, 5.0, count=count),
+        ]
+    cases.append(CastCase("first step zeros", "cast", torch.zeros(40, 64), E4M3, 3.0, count=0))
+    currents = {
+        "random bf16": _matrix(96, 64, torch.bfloat16, seed=4),
+        "random f32 1-D": _matrix(1, 9000, torch.float32, seed=5).view(-1),
+        "random f16": _matrix(33, 65, torch.float16, seed=6),
+        "zeros": torch.zeros(33, 65),
+        "all NaN": torch.full((35,), float("nan"), dtype=torch.bfloat16),
+        "with inf": torch.tensor([1.0, float("inf"), -3.0, 2.0]),
+        "subnormal amax": torch.tensor([1e-40, -1e-41, 0.0, 3e-42]),
+        "huge amax": torch.tensor([3e38, -1.0, 2.0, 5.0]),
+        "bf16 subnormal amax": torch.tensor([1e-39, 0.0], dtype=torch.bfloat16),
+    }
+    for name, cx in currents.items():
+        random = name.startswith("random")
+        for fmt in FORMATS if random else [E4M3]:
+            # p2 matters where the ratio is finite and not capped
+            for p2 in (False, True) if random or "amax" in name else (False,):
+                two_d = cx.dim() == 2
+                cases.append(
+                    CastCase(
+                        f"current {name} {fmt} p2={p2}",
+                        "current",
+                        cx,
+                        fmt,
+                        transpose=two_d,
+                        dbias=two_d and random,
+                        power_2=p2,
+                    )
+                )
+    nan_mix = _matrix(50, 41, torch.float16, seed=8)
+    nan_mix[::7, ::5] = float("nan")
+    cases += [
+        CastCase("amax mixed", "amax", nan_mix),
+        CastCase("amax non-contiguous", "amax", nan_mix.t()),
+        CastCase("amax all NaN", "amax", torch.full((9000,), float("nan"))),
+        CastCase(
+            "amax fold", "amax", _api_inputs(E5M2, torch.bfloat16), fold="slice", fold_init=2.0
+        ),
+        CastCase("amax fold keeps", "amax", nan_mix, fold="element", fold_init=1e30),
+    ]
+    return tuple(cases)
+
+
+def run_case(case: CastCase, backend: str) -> dict[str, torch.Tensor | None]:
+    """One API call on ``backend``; everything it returned, and the staging buffer after."""
+    staging = torch.zeros(6, 4)
+    staging[3, 1] = case.fold_init
+    amax_out = None
+    if case.fold == "element":
+        amax_out = staging[:, 1][3]
+    elif case.fold == "slice":
+        amax_out = staging[3:4, 1]
+    if case.kind == "amax":
+        a = kernels.compute_amax(case.x, amax_out=amax_out, backend=backend)
+        return {"amax": a, "staging": staging}
+    if case.kind == "current":
+        r = kernels.cast_fp8_current(
+            case.x,
+            case.fmt,
+            power_2_scale=case.power_2,
+            transpose=case.transpose,
+            dbias=case.dbias,
+            backend=backend,
+        )
+    else:
+        count = None if case.count is None else torch.tensor([case.count])
+        r = kernels.cast_fp8(
+            case.x,
+            torch.tensor(case.scale),
+            case.fmt,
+            transpose=case.transpose,
+            amax_out=amax_out,
+            dbias=case.dbias,
+            first_step_current=count,
+            backend=backend,
+        )
+    return {**r._asdict(), "staging": staging}
+
+
+def run_all_cases(backend: str, path: str | None = None) -> list[dict[str, torch.Tensor | None]]:
+    results = [run_case(case, backend) for case in api_cases()]
+    if path is not None:
+        torch.save(results, path)
+    return results
+
+
+def _f32_bits(v: float | torch.Tensor) -> int:
+    if isinstance(v, torch.Tensor):
+        return int(v.reshape(1).view(torch.int32).item())
+    return struct.unpack("<i", struct.pack("<f", v))[0]
+
+
+def _expected_scale(case: CastCase, amax: float) -> float:
+    """The float32 scale the case's data must have been cast with (tests/reference.py)."""
+    if case.kind == "current":
+        return new_scale_reference(
+            amax, 1.0, case.fmt.max, DelayedScaling(power_2_scale=case.power_2)
+        )
+    if case.count == 0:
+        return new_scale_reference(amax, 1.0, case.fmt.max, DelayedScaling())
+    return float(np.float32(case.scale))
+
+
+def _check_dbias(x: torch.Tensor, got: torch.Tensor, what: str) -> None:
+    """dbias against float64 column sums: float32 summation in any order is within
+    gamma_M * sum|x| (gamma_M = M u / (1 - M u)), then one rounding to x.dtype."""
+    assert got.dtype == x.dtype and got.shape == (x.shape[1],), what
+    x64 = x.double()
+    m = x.shape[0]
+    exact = x64.sum(0)
+    gamma = m * U32 / (1 - m * U32)
+    bound = gamma * x64.abs().sum(0) + 1e-300
+    unit = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[x.dtype]
+    tiny = {torch.float32: 0.0, torch.bfloat16: 2.0**-134, torch.float16: 2.0**-25}[x.dtype]
+    big = torch.finfo(x.dtype).max
+    g = got.double()
+    for j in range(x.shape[1]):
+        col = x64[:, j]
+        if torch.isnan(col).any() or ((col == math.inf).any() and (col == -math.inf).any()):
+            assert math.isnan(g[j]), (what, j)
+        elif torch.isinf(col).any():
+            assert g[j] == col[torch.isinf(col)][0], (what, j)
+        elif abs(exact[j]) + bound[j] > big and math.isinf(g[j]):
+            assert math.copysign(1, g[j]) == math.copysign(1, exact[j]), (what, j)
+        else:
+            err = abs(g[j] - exact[j])
+            limit = bound[j] + unit * (abs(exact[j]) + bound[j]) + tiny
+            assert err <= limit, f"{what}: column {j}: |{g[j]} - {exact[j]}| = {err} > {limit}"
+
+
+@functools.cache
+def _numpy_expected(index: int) -> tuple[np.ndarray, float, float]:
+    """(FP8 values, amax, scale) of case ``index`` from tests/reference.py."""
+    case = api_cases()[index]
+    with np.errstate(all="ignore"):
+        return _numpy_case(case)
+
+
+def _numpy_case(case: CastCase) -> tuple[np.ndarray | None, float, float]:
+    x32 = case.x.float().numpy()
+    finite = np.abs(x32[~np.isnan(x32)])
+    amax = float(finite.max()) if finite.size else 0.0
+    scale = _expected_scale(case, amax) if case.kind != "amax" else 1.0
+    values = None  # large cases: their bits are checked against the torch reference only
+    if case.kind != "amax" and case.x.numel() <= _NUMPY_LIMIT:
+        values = quantize_reference(x32, scale, case.fmt)[0]
+    return values, amax, scale
+
+
+def check_case(index: int, got: dict[str, torch.Tensor | None], backend: str) -> None:
+    case = api_cases()[index]
+    what = f"{backend}: {case.name}"
+    values, amax, scale = _numpy_expected(index)
+    staging = got["staging"]
+    want_staging = torch.zeros(6, 4)
+    want_staging[3, 1] = case.fold_init
+    if case.fold is not None:
+        want_staging[3, 1] = float(max(np.float32(case.fold_init), np.float32(amax)))
+        assert got["amax"] is None, what
+    else:
+        assert got["amax"] is not None and got["amax"].dtype == torch.float32, what
+        assert got["amax"].dim() == 0, what
+        assert _f32_bits(got["amax"]) == _f32_bits(amax), f"{what}: amax {got['amax']} != {amax}"
+    assert torch.equal(staging.view(torch.int32), want_staging.view(torch.int32)), (what, staging)
+    if case.kind == "amax":
+        return
+    data = got["data"]
+    assert data.dtype == torch_dtype_of(case.fmt) and data.shape == case.x.shape, what
+    assert data.is_contiguous(), what
+    if values is not None:
+        np.testing.assert_array_equal(data.double().numpy(), values, err_msg=what)
+    # the bits too (signed zeros, NaN codes): the torch reference, itself checked against numpy
+    ref = cast_to_fp8_reference(case.x, torch.tensor(scale), case.fmt)[0].contiguous()
+    assert torch.equal(data.view(torch.uint8), ref.view(torch.uint8)), what
+    assert got["scale_inv"].dtype == torch.float32 and got["scale_inv"].dim() == 0, what
+    want_inv = np.float32(1.0) / np.float32(scale)
+    assert _f32_bits(got["scale_inv"]) == _f32_bits(float(want_inv)), (
+        what,
+        got["scale_inv"],
+        want_inv,
+    )
+    if case.transpose:
+        data_t = got["data_t"]
+        assert data_t.shape == (case.x.shape[1], case.x.shape[0]) and data_t.is_contiguous(), what
+        assert torch.equal(data_t.view(torch.uint8), data.view(torch.uint8).t()), what
+    else:
+        assert got["data_t"] is None, what
+    if case.dbias:
+        if case.name.startswith("dbias exact pairs"):
+            want = (case.x[0].float() + case.x[1].float()).to(case.x.dtype)
+            assert torch.equal(got["dbias"].view(torch.int16), want.view(torch.int16)), what
+        _check_dbias(case.x, got["dbias"], what)
+    else:
+        assert got["dbias"] is None, what
+
+
+def _check_all(results: list[dict[str, torch.Tensor | None]], backend: str) -> None:
+    assert len(results) == len(api_cases())
+    for i, got in enumerate(results):
+        check_case(i, got, backend)
+
+
+def test_api_native() -> None:
+    if not kernels.native_available():
+        pytest.skip(f"native kernel unavailable: {kernels.native_build_error()}")
+    _check_all(run_all_cases("native"), "native")
+
+
+def test_api_reference() -> None:
+    _check_all(run_all_cases("reference"), "reference")
+
+
+@functools.cache
+def triton_results() -> tuple[list, list]:
+    """The cast cases here and the update cases of test_update_kernel.py run through the Triton
+    kernels under TRITON_INTERPRET=1, in one subprocess (its start-up is most of the cost)."""
+    tmp = Path(tempfile.mkdtemp(prefix="fp8kit-triton-"))
+    try:
+        code = f"""
+            from tests.torch import test_kernels, test_update_kernel
+            test_kernels.run_all_cases("triton", {str(tmp / "cast.pt")!r})
+            test_update_kernel.run_all_cases("triton", {str(tmp / "update.pt")!r})
+            print("TRITON_OK")
+        """
+        rc, out, err = _finish(_start_python(code, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore"))
+        assert rc == 0 and "TRITON_OK" in out, out + err
+        return torch.load(tmp / "cast.pt"), torch.load(tmp / "update.pt")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_api_triton_under_interpreter() -> None:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (optional: pip install -c constraints.txt triton)")
+    _check_all(triton_results()[0], "triton")
+
+
+def test_api_current_equals_quantize_current() -> None:
+    """cast_fp8_current is bit for bit today's quantize_current (data, data_t, scale_inv, amax)."""
+    gen = torch.Generator().manual_seed(10)
+    x = (torch.randn(48, 80, generator=gen) * 7).to(torch.bfloat16)
+    x[3, 4] = float("nan")
+    for backend in ("native", "reference"):
+        if backend == "native" and not kernels.native_available():
+            continue
+        for fmt in FORMATS:
+            for p2 in (False, True):
+                want = quantize_current(x, fmt, power_2_scale=p2, transpose=True)
+                got = kernels.cast_fp8_current(
+                    x, fmt, power_2_scale=p2, transpose=True, backend=backend
+                )
+                assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+                assert torch.equal(got.data_t.view(torch.uint8), want.data_t.view(torch.uint8))
+                assert _f32_bits(got.scale_inv) == _f32_bits(want.scale_inv)
+                assert _f32_bits(got.amax) == _f32_bits(want.amax)
+
+
+def test_api_dispatch_picks_native_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """backend=None runs the native library for CPU tensors (and the reference where it does
+    not apply); the results are the same either way."""
+    x = _matrix(33, 65, torch.bfloat16, seed=2)
+    s = torch.tensor(3.0)
+    want = kernels.cast_fp8(x, s, E4M3, transpose=True, dbias=True, backend="reference")
+    expected = "native" if kernels.native_available() else "reference"
+    assert kernels.backend_for(x) == expected
+    calls: list[str] = []
+    from fp8kit.torch.kernels import native, reference
+
+    for name, module in (("native", native), ("reference", reference)):
+        real = module.cast
+        monkeypatch.setattr(module, "cast", lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    got = kernels.cast_fp8(x, s, E4M3, transpose=True, dbias=True)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(
+            a.view(torch.uint8) if a.element_size() == 1 else a,
+            b.view(torch.uint8) if b.element_size() == 1 else b,
+        )
+    assert calls == [expected]
+    calls.clear()
+    kernels.cast_fp8(x[:0], s, E4M3)  # empty: the reference
+    assert calls == ["reference"]
+
+
+def test_api_native_call_runs_no_aten_op_but_allocations() -> None:
+    """The CPU hot path: a native cast is its output allocations and one ctypes call; the
+    update event is no aten op at all (the lead's CPU gate counts aten ops per step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if not kernels.native_available():
+        pytest.skip(f"native kernel unavailable: {kernels.native_build_error()}")
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = _matrix(64, 32, torch.bfloat16, seed=1)
+    s = torch.tensor(2.0)
+    staging = torch.zeros(4, 3)
+    slot = staging[0, 1]
+    count = torch.zeros(3, dtype=torch.int64)
+    first = count[1]
+    calls = {
+        "cast": (lambda: kernels.cast_fp8(x, s, E4M3, amax_out=slot), 2),
+        "cast T dbias": (
+            lambda: kernels.cast_fp8(x, s, E4M3, transpose=True, amax_out=slot, dbias=True),
+            4,
+        ),
+        "first step": (
+            lambda: kernels.cast_fp8(x, s, E4M3, amax_out=slot, first_step_current=first),
+            2,
+        ),
+        "current T": (lambda: kernels.cast_fp8_current(x, E4M3, transpose=True), 4),
+        "amax": (lambda: kernels.compute_amax(x, amax_out=slot), 0),
+        "update": (
+            lambda: kernels.delayed_update_(
+                staging, torch.ones(3), torch.ones(3), count, fmax=448.0
+            ),
+            0,
+        ),
+    }
+    for name, (fn, empties) in calls.items():
+        with Ops() as ops:
+            fn()
+        ours = [n for n in ops.names if n != "ones.default"]  # the test's own arguments
+        assert ours == ["empty.memory_format"] * empties, (name, ops.names)
+
+
+def test_api_errors_name_the_parameter() -> None:
+    x = torch.randn(4, 6)
+    s = torch.tensor(1.0)
+    with pytest.raises(TypeError, match="fp8_dtype must be"):
+        kernels.cast_fp8(x, s, torch.float16)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        kernels.cast_fp8(x.double(), s, E4M3)
+    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
+        kernels.cast_fp8([1.0], s, E4M3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"scale must be a torch\.float32 tensor with one element"):
+        kernels.cast_fp8(x, torch.ones(2), E4M3)
+    with pytest.raises(TypeError, match="scale must be"):
+        kernels.cast_fp8(x, s.double(), E4M3)
+    with pytest.raises(TypeError, match="amax_out must be"):
+        kernels.cast_fp8(x, s, E4M3, amax_out=torch.zeros(2))
+    with pytest.raises(TypeError, match=r"first_step_current must be a torch\.int64"):
+        kernels.cast_fp8(x, s, E4M3, first_step_current=torch.zeros(1))
+    with pytest.raises(ValueError, match="transpose=True needs a 2-D x"):
+        kernels.cast_fp8(x.view(-1), s, E4M3, transpose=True)
+    with pytest.raises(ValueError, match="dbias=True needs a 2-D x"):
+        kernels.cast_fp8_current(x.view(2, 2, 6), E4M3, dbias=True)
+    with pytest.raises(TypeError, match="power_2_scale must be a bool"):
+        kernels.cast_fp8_current(x, E4M3, power_2_scale=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="backend must be None or one of"):
+        kernels.cast_fp8(x, s, E4M3, backend="cuda")
+    with pytest.raises(TypeError, match="x must be a float32, bfloat16 or float16 tensor"):
+        kernels.compute_amax(x.int())
+    if torch.cuda.is_available():
+        with pytest.raises(TypeError, match=r"scale must be .* on x's device"):
+            kernels.cast_fp8(x, s.cuda(), E4M3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton: exhaustive bit patterns under the interpreter (slow), and the lowering for Hopper
 # ---------------------------------------------------------------------------------------------
 
 _TRITON_CHECK = """
-    import math
     import torch
     from fp8kit.formats import E4M3, E5M2
     from fp8kit.torch.kernels import triton_cast as tc
-    from fp8kit.torch.quantization import cast_to_fp8_reference as ref
+    from fp8kit.torch.kernels.reference import cast_to_fp8_reference as ref
     from tests.torch.test_kernels import _all_16bit_patterns, _float32_edge_values
 
     def same(got, want, what):
@@ -894,7 +1394,6 @@ _TRITON_CHECK = """
         assert got[-1].view(torch.int32).item() == want[-1].view(torch.int32).item(), what
 
     n = 0
-    tc._BLOCK = 1 << 16  # one program per call: the interpreter's cost is per program
     for dtype in (torch.bfloat16, torch.float16):
         x = _all_16bit_patterns(dtype)
         for fmt in (E4M3, E5M2):
@@ -906,12 +1405,7 @@ _TRITON_CHECK = """
         for s in (1.0, 0.7, 2.0**-30):
             st = torch.tensor(s)
             same(tc.triton_cast(x, st, fmt), ref(x, st, fmt), (fmt, s)); n += 1
-    tc._BLOCK = 1024  # the production block size, with masked tails
     gen = torch.Generator().manual_seed(0)
-    for size in (1, 7, 1023, 4097):
-        x = torch.randn(size, generator=gen) * 100
-        same(tc.triton_cast(x, torch.tensor(3.0), E4M3), ref(x, torch.tensor(3.0), E4M3), size)
-        n += 1
     base = torch.randn(40, 33, generator=gen) * 100
     for v in (base.t(), base[::2], torch.empty(0, 3)):
         same(tc.triton_cast(v, torch.tensor(3.0), E5M2), ref(v, torch.tensor(3.0), E5M2), "view")
@@ -929,6 +1423,8 @@ _TRITON_CHECK = """
 
 @pytest.mark.slow
 def test_triton_kernel_bit_exact_under_interpreter() -> None:
+    """Every bfloat16 / float16 bit pattern through the older entry points (cast_to_fp8 and
+    cast_to_fp8_transpose run them on CUDA)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (optional: pip install -c constraints.txt triton)")
     rc, out, err = _finish(
@@ -938,16 +1434,95 @@ def test_triton_kernel_bit_exact_under_interpreter() -> None:
     assert "TRITON_OK" in out
 
 
-def test_triton_format_constants_match_formats() -> None:
-    """The Triton kernel's integer constants describe the same conversion as the C++ ones."""
-    from fp8kit.torch.kernels.triton_cast import _format_constants
+_LOWERING_CHECK = """
+    import re
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from fp8kit.torch.kernels import triton_cast as tc
 
-    e4 = _format_constants(E4M3)
-    assert e4["FMAX_BITS"] == struct.unpack("<I", struct.pack("<f", 448.0))[0]
-    assert e4["MIN_NORMAL_BITS"] == struct.unpack("<I", struct.pack("<f", 2.0**-6))[0]
-    assert e4["SHIFT"] == 20 and e4["MAGIC"] == 2.0**14
-    e5 = _format_constants(E5M2)
-    assert e5["FMAX_BITS"] == struct.unpack("<I", struct.pack("<f", 57344.0))[0]
-    assert e5["MIN_NORMAL_BITS"] == struct.unpack("<I", struct.pack("<f", 2.0**-14))[0]
-    assert e5["SHIFT"] == 21 and e5["MAGIC"] == 2.0**7
-    assert math.isclose(e5["MAGIC_BITS"], struct.unpack("<I", struct.pack("<f", 128.0))[0])
+    def ptx(fn, sig, consts, aligned, warps):
+        names = list(fn.arg_names)
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+        full = {k: ("constexpr" if k in consts else v) for k, v in sig.items()}
+        src = ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs)
+        opts = {"num_warps": warps, "enable_fp_fusion": False}
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+    P = "*fp32"
+    sig = dict(x_ptr="*bf16", scale_ptr=P, count_ptr="*i64", partial_ptr=P, out_ptr="*fp8e4nv",
+               amax_ptr=P, scale_inv_ptr=P, n="i32", n_partials="i32")
+    consts = dict(FMT=0, IN=1, MODE=0, POW2=False, BLOCK=4096, P_BLOCK=1024)
+    one_d = ptx(tc._cast_1d_kernel, {**sig, **consts}, consts, ("x_ptr", "out_ptr", "n"), 8)
+    sig2 = dict(x_ptr="*bf16", scale_ptr=P, count_ptr="*i64", partial_ptr=P, out_ptr="*fp8e4nv",
+                out_t_ptr="*fp8e4nv", amax_ptr=P, scale_inv_ptr=P, dbias_ptr=P, m="i32", n="i32",
+                tiles_per_program="i32", n_partials="i32")
+    consts2 = dict(FMT=0, IN=1, MODE=0, POW2=False, TRANSPOSE=True, DBIAS=True, EVEN=True,
+                   BM=64, BN=64, P_BLOCK=1024)
+    aligned2 = ("x_ptr", "out_ptr", "out_t_ptr", "dbias_ptr", "m", "n")
+    two_d = ptx(tc._cast_2d_kernel, {**sig2, **consts2}, consts2, aligned2, 4)
+    for name, text in (("1d", one_d), ("2d", two_d)):
+        ops = re.findall(r"^\\s*(?:@%p\\d+\\s+)?([a-z]+\\.[\\w.]+)", text, re.M)
+        print(name, "v4 loads", sum(o == "ld.global.v4.b32" for o in ops))
+        print(name, "v4 stores", sum(o == "st.global.v4.b32" for o in ops))
+        print(name, "atomics", sum(o.startswith(("atom.", "red.")) for o in ops))
+        print(name, "div.rn", sum(o == "div.rn.f32" for o in ops))
+        bad = [o for o in ops if o.startswith(("div.full", "div.approx", "fma")) or ".ftz" in o]
+        print(name, "bad", bad)
+"""
+
+
+@pytest.mark.slow
+def test_triton_kernels_lower_for_hopper() -> None:
+    """Compile the cast kernels for sm_90 (no GPU needed) and check the PTX: 16-byte loads and
+    stores, one atomic per program, IEEE divisions, no FMA and no flush-to-zero."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (optional: pip install -c constraints.txt triton)")
+    rc, out, err = _finish(_start_python(_LOWERING_CHECK, PYTHONWARNINGS="ignore"))
+    if rc != 0 and "ptxas" in err:
+        pytest.skip(f"no ptxas for sm_90 here: {err[-300:]}")
+    assert rc == 0, out + err
+    lines = dict(
+        line.rsplit(" ", 1) if not line.endswith("]") else line.split(" bad ", 1)
+        for line in out.splitlines()
+    )
+    for name in ("1d", "2d"):
+        assert int(lines[f"{name} v4 loads"]) >= 4, out  # 16 bfloat16 per thread: 2 x 16 bytes
+        assert int(lines[f"{name} v4 stores"]) >= 2, out
+        assert int(lines[f"{name} atomics"]) == 1, out
+        assert int(lines[f"{name} div.rn"]) == 1, out
+    assert "1d bad []" in out and "2d bad []" in out, out
+
+
+def test_triton_failure_warns_once_then_runs_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Triton kernel that raises (no GPU compiler, a launch error) is reported once; the call
+    is redone in torch and later calls go straight to torch (dispatch.py's CUDA rule, driven
+    here with CPU tensors and a Triton backend that fails)."""
+    from fp8kit.torch.kernels import reference
+
+    attempts: list[str] = []
+
+    class BrokenTriton:
+        def cast(self, *args: object) -> None:
+            attempts.append("cast")
+            raise RuntimeError("ptxas not found")
+
+    def cuda_rule(x: torch.Tensor) -> tuple[str, object]:  # what _auto does for CUDA tensors
+        triton_backend = dispatch._load_triton()
+        return ("triton", triton_backend) if triton_backend else ("reference", reference)
+
+    monkeypatch.setattr(dispatch, "_triton_state", {"backend": BrokenTriton(), "error": None})
+    monkeypatch.setattr(dispatch, "_auto", cuda_rule)
+    x = _matrix(33, 65, torch.bfloat16, seed=1)
+    s = torch.tensor(2.0)
+    want = reference.cast(x, s, _spec(E4M3, x), True, None, True, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            got = kernels.cast_fp8(x, s, E4M3, transpose=True, dbias=True)
+            assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+            assert torch.equal(got.dbias, want.dbias) and torch.equal(got.amax, want.amax)
+    ours = [w for w in caught if issubclass(w.category, kernels.NativeKernelWarning)]
+    assert len(ours) == 1 and "ptxas not found" in str(ours[0].message)
+    assert attempts == ["cast"]
+    assert not kernels.triton_available()

@@ -115,6 +115,23 @@ class _Lib:
         self.dequant = lib.fp8kit_dequant
         self.dequant.argtypes = [vp, i32, vp, i32, i64, vp, i32]
         self.dequant.restype = i32
+        f32, u32 = ctypes.c_float, ctypes.c_uint32
+        self.cast_fused = lib.fp8kit_cast_fused
+        self.cast_fused.argtypes = [
+            *(vp, i32, i64, i64, i32, i32, i32, vp, vp),  # src .. count
+            *(f32, i32, i32, u32),  # scale rule: numerator, power2, fmax exponent, mantissa
+            *(vp, vp, vp, vp, vp, vp),  # dst, dst_t, amax_fold, amax_res, scale_inv, dbias
+        ]
+        self.cast_fused.restype = i32
+        self.amax_fused = lib.fp8kit_amax_fused
+        self.amax_fused.argtypes = [vp, i32, i64, i32, vp, vp]
+        self.amax_fused.restype = i32
+        self.delayed_update = lib.fp8kit_delayed_update
+        self.delayed_update.argtypes = [
+            *(vp, i64, i64, vp, vp, vp, vp, vp, vp),  # hist .. nonfinite
+            *(i32, i64, f32, i32, i32, u32, i32),  # algo, interval, scale rule
+        ]
+        self.delayed_update.restype = i32
         self.best_isa = lib.fp8kit_best_isa
         self.best_isa.argtypes = []
         self.best_isa.restype = i32

@@ -156,6 +156,12 @@ float amax_span_scalar(const T* src, int64_t n, float acc) {
   return acc;
 }
 
+// acc[j] += float32(src[j]) for j < n: one row's contribution to the column sums (dbias).
+template <typename T>
+void colsum_span_scalar(const T* src, float* acc, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += load_f32(src + i);
+}
+
 // ---------------------------------------------------------------------------------------------
 // AVX2 path: 32 elements per iteration (4 x 8 float32 lanes -> one 32-byte store)
 // ---------------------------------------------------------------------------------------------
@@ -279,6 +285,15 @@ FP8KIT_AVX2 float amax_span_avx2(const T* src, int64_t n, float acc_in) {
   return amax_span_scalar(src + i, n - i, result);
 }
 
+template <typename T>
+FP8KIT_AVX2 void colsum_span_avx2(const T* src, float* acc, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), load8(src + i)));
+  }
+  colsum_span_scalar(src + i, acc + i, n - i);
+}
+
 // ---------------------------------------------------------------------------------------------
 // AVX-512 path: 64 elements per iteration (4 x 16 float32 lanes -> one 64-byte store)
 // ---------------------------------------------------------------------------------------------
@@ -375,6 +390,15 @@ FP8KIT_AVX512 float amax_span_avx512(const T* src, int64_t n, float acc_in) {
   return amax_span_avx2(src + i, n - i, std::max(acc_in, _mm512_reduce_max_ps(m)));
 }
 
+template <typename T>
+FP8KIT_AVX512 void colsum_span_avx512(const T* src, float* acc, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), load16(src + i)));
+  }
+  colsum_span_avx2(src + i, acc + i, n - i);
+}
+
 bool cpu_has_avx512() {
   static const bool has = [] {
     __builtin_cpu_init();
@@ -430,6 +454,17 @@ float encode_span(const T* src, uint8_t* dst, int64_t n, float scale, const Fmt&
   (void)level;
   (void)stream;
   return encode_span_scalar(src, dst, n, scale, f, acc);
+}
+
+// Column sums of one row span with the loop of instruction set `level`.
+template <typename T>
+void colsum_span(const T* src, float* acc, int64_t n, int32_t level) {
+#if FP8KIT_HAVE_X86
+  if (level == kIsaAvx512) return colsum_span_avx512(src, acc, n);
+  if (level == kIsaAvx2) return colsum_span_avx2(src, acc, n);
+#endif
+  (void)level;
+  colsum_span_scalar(src, acc, n);
 }
 
 // Outputs larger than this many bytes are written with streaming stores (they would not stay in
@@ -588,30 +623,44 @@ FP8KIT_AVX2 void store_fence() { _mm_sfence(); }
 // chunk's rows (sequential reads of x) into a per-thread band buffer that stays in L2, copy it
 // to out, and transpose it into out_t. x is read once; out and out_t are written once each
 // (with streaming stores for large, line-aligned matrices: 6 bytes of traffic per float32).
+// Without out_t the rows are encoded straight into out. With colsum (n floats), each row chunk's
+// float32 values are added to its column sums right after encoding, while the chunk is in L1.
 template <typename T>
-float cast_transpose_bands(const T* src, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n,
-                           float scale, const Fmt& f, int32_t level, bool stream,
-                           int64_t band_begin,
-                           int64_t band_end, float acc) {
-  thread_local std::vector<uint8_t> storage;
-  const size_t need = static_cast<size_t>(kBandRows * std::min(n, kBandCols) + 64);
-  if (storage.size() < need) storage.resize(need);
-  uint8_t* buf = storage.data() + ((64 - (reinterpret_cast<uintptr_t>(storage.data()) & 63)) & 63);
+float cast_bands(const T* src, uint8_t* out, uint8_t* out_t, float* colsum, int64_t m, int64_t n,
+                 float scale, const Fmt& f, int32_t level, bool stream, int64_t band_begin,
+                 int64_t band_end, float acc) {
+  uint8_t* buf = nullptr;
+  if (out_t != nullptr) {
+    thread_local std::vector<uint8_t> storage;
+    const size_t need = static_cast<size_t>(kBandRows * std::min(n, kBandCols) + 64);
+    if (storage.size() < need) storage.resize(need);
+    buf = storage.data() + ((64 - (reinterpret_cast<uintptr_t>(storage.data()) & 63)) & 63);
+  }
   for (int64_t band = band_begin; band < band_end; ++band) {
     const int64_t r0 = band * kBandRows;
     const int64_t rows = std::min(kBandRows, m - r0);
     for (int64_t c0 = 0; c0 < n; c0 += kBandCols) {
       const int64_t w = std::min(kBandCols, n - c0);
       for (int64_t r = 0; r < rows; ++r) {
-        acc = encode_span(src + (r0 + r) * n + c0, buf + r * w, w, scale, f, acc, level, false);
+        const T* row = src + (r0 + r) * n + c0;
+        uint8_t* out_row = out + (r0 + r) * n + c0;
+        if (buf == nullptr) {
+          acc = encode_span(row, out_row, w, scale, f, acc, level, false);
+        } else {
+          acc = encode_span(row, buf + r * w, w, scale, f, acc, level, false);
 #if FP8KIT_HAVE_X86
-        if (stream) {  // n % 64 == 0 and out line-aligned: whole lines
-          stream_copy_avx2(out + (r0 + r) * n + c0, buf + r * w, w);
-          continue;
-        }
+          if (stream) {  // n % 64 == 0 and out line-aligned: whole lines
+            stream_copy_avx2(out_row, buf + r * w, w);
+          } else {
+            std::memcpy(out_row, buf + r * w, static_cast<size_t>(w));
+          }
+#else
+          std::memcpy(out_row, buf + r * w, static_cast<size_t>(w));
 #endif
-        std::memcpy(out + (r0 + r) * n + c0, buf + r * w, static_cast<size_t>(w));
+        }
+        if (colsum != nullptr) colsum_span(row, colsum + c0, w, level);
       }
+      if (buf == nullptr) continue;
       for (int64_t cb = 0; cb < w; cb += 64) {
         const int64_t cols = std::min<int64_t>(64, w - cb);
         uint8_t* dst = out_t + (c0 + cb) * m + r0;
@@ -631,23 +680,59 @@ float cast_transpose_bands(const T* src, uint8_t* out, uint8_t* out_t, int64_t m
   return acc;
 }
 
+// Whether the transposing cast of an (m, n) matrix writes with streaming stores: only for large
+// outputs whose every store is a whole, aligned cache line.
+inline bool transpose_streams(int32_t level, int64_t m, int64_t n, const uint8_t* out,
+                              const uint8_t* out_t) {
+  return level >= kIsaAvx2 && m * n >= kStreamBytes && m % 64 == 0 && n % 64 == 0 &&
+         reinterpret_cast<uintptr_t>(out) % 64 == 0 &&
+         reinterpret_cast<uintptr_t>(out_t) % 64 == 0;
+}
+
 template <typename T>
 float cast_transpose_impl(const T* src, uint8_t* out, uint8_t* out_t, int64_t m, int64_t n,
                           float scale, const Fmt& f, int32_t level) {
   const int64_t bands = (m + kBandRows - 1) / kBandRows;
-  // Streaming stores only for large outputs whose every store is a whole, aligned cache line.
-  const bool stream = level >= kIsaAvx2 && m * n >= kStreamBytes && m % 64 == 0 && n % 64 == 0 &&
-                      reinterpret_cast<uintptr_t>(out) % 64 == 0 &&
-                      reinterpret_cast<uintptr_t>(out_t) % 64 == 0;
+  const bool stream = transpose_streams(level, m, n, out, out_t);
   // grain in bands: about kGrain elements per task at least
   const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, n * kBandRows));
   return at::parallel_reduce(
       int64_t{0}, bands, grain, 0.0f,
       [&](int64_t b_begin, int64_t b_end, float acc) {
-        return cast_transpose_bands(src, out, out_t, m, n, scale, f, level, stream, b_begin,
-                                    b_end, acc);
+        return cast_bands(src, out, out_t, nullptr, m, n, scale, f, level, stream, b_begin, b_end,
+                          acc);
       },
       [](float a, float b) { return std::max(a, b); });
+}
+
+// The cast of an (m, n) matrix with its column sums (colsum: n floats, overwritten) and,
+// when out_t is not null, its transpose. The bands are split into at most one chunk per thread
+// (one chunk below kGrain elements), each summing into its own row of partial sums; the chunk
+// sums are added in chunk order, so the result depends only on the number of threads.
+template <typename T>
+float cast_colsum_impl(const T* src, uint8_t* out, uint8_t* out_t, float* colsum, int64_t m,
+                       int64_t n, float scale, const Fmt& f, int32_t level) {
+  const int64_t bands = (m + kBandRows - 1) / kBandRows;
+  const bool stream = out_t != nullptr && transpose_streams(level, m, n, out, out_t);
+  const int64_t by_size = std::max<int64_t>(1, (m * n) / kGrain);
+  const int64_t chunks = std::min<int64_t>(
+      bands, std::min<int64_t>(by_size, std::max<int64_t>(1, at::get_num_threads())));
+  std::vector<float> partial(static_cast<size_t>(chunks * n), 0.0f);
+  std::vector<float> amax(static_cast<size_t>(chunks), 0.0f);
+  at::parallel_for(int64_t{0}, chunks, 1, [&](int64_t c_begin, int64_t c_end) {
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      amax[c] = cast_bands(src, out, out_t, partial.data() + c * n, m, n, scale, f, level, stream,
+                           c * bands / chunks, (c + 1) * bands / chunks, 0.0f);
+    }
+  });
+  std::memcpy(colsum, partial.data(), static_cast<size_t>(n) * sizeof(float));
+  for (int64_t c = 1; c < chunks; ++c) {
+    const float* p = partial.data() + c * n;
+    for (int64_t j = 0; j < n; ++j) colsum[j] += p[j];
+  }
+  float result = 0.0f;
+  for (float a : amax) result = std::max(result, a);
+  return result;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -936,6 +1021,122 @@ void dequant_impl(const uint8_t* src, Out* dst, int64_t n, float scale, int32_t 
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// Scales (SPEC section 3 `new_scale`) and the fused cast
+// ---------------------------------------------------------------------------------------------
+
+// The delayed-scaling scale rule for one amax, bit for bit fp8kit's torch `compute_scale`:
+//   amax 0, inf or NaN             -> old (unusable amax)
+//   default   numerator / amax     (numerator = float32(fmax * 2^-margin), one IEEE division),
+//             an infinite quotient -> FLT_MAX
+//   power of 2: 2^(e - margin) with e the largest integer such that 2^e * amax <= fmax, capped
+//             at 2^127, as float32 (subnormal below 2^-126, 0 below 2^-149). With
+//             amax = (1 + ma) 2^ea and fmax = (1 + mf) 2^ef (23-bit mantissas ma, mf), e is
+//             ef - ea, minus one when ma > mf: exact integer arithmetic, no log2.
+struct ScaleRule {
+  float numerator;
+  int32_t power2;
+  int32_t fmax_exp;
+  uint32_t fmax_mant;
+  int32_t margin;  // power-of-two rule only (an integer there)
+};
+
+inline float scale_from_amax(float amax, float old, const ScaleRule& rule) {
+  if (!(amax > 0.0f && amax < INFINITY)) return old;
+  if (rule.power2 != 0) {
+    uint32_t a = bits_of(amax);
+    int32_t ea;
+    if (a < 0x800000u) {  // subnormal: normalise exactly by 2^24
+      a = bits_of(amax * 16777216.0f);
+      ea = static_cast<int32_t>(a >> 23) - 127 - 24;
+    } else {
+      ea = static_cast<int32_t>(a >> 23) - 127;
+    }
+    const uint32_t ma = a & 0x7FFFFFu;
+    int32_t e = rule.fmax_exp - ea - (ma > rule.fmax_mant ? 1 : 0) - rule.margin;
+    e = std::min(e, 127);
+    if (e >= -126) return float_of(static_cast<uint32_t>(e + 127) << 23);
+    if (e >= -149) return float_of(1u << (e + 149));
+    return 0.0f;
+  }
+  const float s = rule.numerator / amax;
+  return std::isinf(s) ? 3.4028234663852886e38f : s;
+}
+
+// float32 -> IEEE float16 bits, round to nearest even (overflow to inf, subnormals kept, NaN
+// stays a quiet NaN with its sign).
+inline uint16_t f16_rne(float v) {
+  const uint32_t b = bits_of(v);
+  const uint32_t sign = (b >> 16) & 0x8000u;
+  const uint32_t a = b & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+  if (a >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520: inf
+  if (a < 0x38800000u) {  // below 2^-14: the float add of 0.5 (ulp 2^-24) rounds to the quantum
+    return static_cast<uint16_t>(sign | (bits_of(float_of(a) + 0.5f) - 0x3F000000u));
+  }
+  return static_cast<uint16_t>(sign | ((a + 0xFFFu + ((a >> 13) & 1u) - (112u << 23)) >> 13));
+}
+
+// Store n float32 sums as in_dtype (float32, bfloat16 or float16, rounded to nearest even).
+void store_sums(const float* sums, void* dst, int32_t in_dtype, int64_t n) {
+  if (in_dtype == kFloat32) {
+    std::memcpy(dst, sums, static_cast<size_t>(n) * sizeof(float));
+  } else if (in_dtype == kBFloat16) {
+    auto* d = static_cast<uint16_t*>(dst);
+    for (int64_t j = 0; j < n; ++j) d[j] = bf16_rne(sums[j]);
+  } else {
+    auto* d = static_cast<uint16_t*>(dst);
+    for (int64_t j = 0; j < n; ++j) d[j] = f16_rne(sums[j]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The delayed-scaling update event (SPEC section 3) on a whole (L, N) history
+// ---------------------------------------------------------------------------------------------
+
+constexpr int64_t kUpdateCols = 256;  // columns per block: rows are walked with these in L1
+
+// Columns [j0, j0 + w) of the event: zero-skip, window amax, roll, count, scale, scale_inv.
+void update_block(float* hist, int64_t L, int64_t N, int64_t j0, int64_t w, float* scale,
+                  float* scale_inv, int64_t* count, const uint8_t* ran, const float* staging,
+                  int64_t* nonfinite, int32_t algo, int64_t interval, const ScaleRule& rule) {
+  float r[kUpdateCols];
+  float amax[kUpdateCols];
+  uint8_t run[kUpdateCols];
+  for (int64_t j = 0; j < w; ++j) {
+    float v = staging != nullptr ? staging[j0 + j] : hist[j0 + j];
+    if (ran != nullptr && ran[j0 + j] == 0) v = 0.0f;
+    r[j] = v;
+    amax[j] = v;
+    run[j] = v != 0.0f;  // NaN counts as run, as torch's `!= 0`
+  }
+  for (int64_t i = 1; i < L; ++i) {
+    const float* row = hist + i * N + j0;
+    if (algo == 0) {
+      for (int64_t j = 0; j < w; ++j) amax[j] = row[j] > amax[j] ? row[j] : amax[j];
+    }
+    if (i >= 2) {
+      float* prev = hist + (i - 1) * N + j0;
+      for (int64_t j = 0; j < w; ++j) prev[j] = run[j] ? row[j] : prev[j];
+    }
+  }
+  if (L >= 2) {
+    float* last = hist + (L - 1) * N + j0;
+    for (int64_t j = 0; j < w; ++j) last[j] = run[j] ? r[j] : last[j];
+  }
+  for (int64_t j = 0; j < w; ++j) {
+    const int64_t k = j0 + j;
+    if (run[j]) {
+      hist[k] = 0.0f;
+      const int64_t c = count[k] + 1;
+      count[k] = c;
+      if ((c - 1) % interval == 0) scale[k] = scale_from_amax(amax[j], scale[k], rule);
+      if (nonfinite != nullptr && r[j] == INFINITY) nonfinite[k] += 1;
+    }
+    scale_inv[k] = 1.0f / scale[k];
+  }
+}
+
 }  // namespace
 }  // namespace fp8kit_native
 
@@ -1038,6 +1239,105 @@ int32_t fp8kit_dequant(const uint8_t* src, int32_t fmt_id, void* dst, int32_t ou
         dequant_impl(src, static_cast<bf16_t*>(dst), n, s, fmt_id, level);
       }
     }
+  } catch (...) {
+    return kInternalError;
+  }
+  return kOk;
+}
+
+
+// max|src| over n contiguous elements, NaN ignored: folded into *amax_fold (max) and/or stored
+// to *amax_res, each when not null.
+int32_t fp8kit_amax_fused(const void* src, int32_t in_dtype, int64_t n, int32_t isa,
+                          float* amax_fold, float* amax_res) {
+  float result = 0.0f;
+  const int32_t status = fp8kit_amax(src, in_dtype, n, isa, &result);
+  if (status != 0) return status;
+  if (amax_fold != nullptr && result > *amax_fold) *amax_fold = result;
+  if (amax_res != nullptr) *amax_res = result;
+  return 0;
+}
+
+// The fused cast. src: m * n contiguous elements (row-major (m, n) when dst_t or dbias is
+// given). The scale: mode 0 *scale; mode 1 the current scale of src (an amax pass first, then
+// the rule with `rule`); mode 2 the current scale when *count == 0, else *scale. Writes dst
+// (m, n); dst_t (n, m) when not null; the amax max|src| (NaN ignored) folded into *amax_fold
+// (max) and/or stored to *amax_res when not null; *scale_inv = 1 / scale (IEEE division); and,
+// when dbias is not null, the n float32 column sums stored as in_dtype.
+int32_t fp8kit_cast_fused(const void* src, int32_t in_dtype, int64_t m, int64_t n, int32_t fmt_id,
+                          int32_t isa, int32_t mode, const float* scale, const int64_t* count,
+                          float numerator, int32_t power2, int32_t fmax_exp, uint32_t fmax_mant,
+                          uint8_t* dst, uint8_t* dst_t, float* amax_fold, float* amax_res,
+                          float* scale_inv, void* dbias) {
+  using namespace fp8kit_native;
+  int32_t level = kIsaScalar;
+  Fmt f{};
+  const int32_t status = prepare(in_dtype, fmt_id, isa, &level, &f);
+  if (status != kOk) return status;
+  if (m < 0 || n < 0 || mode < 0 || mode > 2) return kBadShape;
+  try {
+    const int64_t total = m * n;
+    const ScaleRule rule{numerator, power2, fmax_exp, fmax_mant, 0};
+    float s = 1.0f;
+    if (mode == 1 || (mode == 2 && *count == 0)) {
+      float a = 0.0f;
+      if (total > 0) {
+        dispatch_input(src, in_dtype, [&](const auto* p) { a = amax_impl(p, total, level); });
+      }
+      s = scale_from_amax(a, 1.0f, rule);
+    } else {
+      s = *scale;
+    }
+    float result = 0.0f;
+    std::vector<float> sums;
+    if (dbias != nullptr) sums.assign(static_cast<size_t>(n), 0.0f);
+    if (total > 0) {
+      dispatch_input(src, in_dtype, [&](const auto* p) {
+        if (dbias != nullptr) {
+          result = cast_colsum_impl(p, dst, dst_t, sums.data(), m, n, s, f, level);
+        } else if (dst_t != nullptr) {
+          result = cast_transpose_impl(p, dst, dst_t, m, n, s, f, level);
+        } else {
+          result = cast_linear(p, dst, total, s, f, level);
+        }
+      });
+    }
+    if (dbias != nullptr) store_sums(sums.data(), dbias, in_dtype, n);
+    if (amax_fold != nullptr && result > *amax_fold) *amax_fold = result;
+    if (amax_res != nullptr) *amax_res = result;
+    *scale_inv = 1.0f / s;
+  } catch (...) {
+    return kInternalError;
+  }
+  return kOk;
+}
+
+// One delayed-scaling update event, in place, on a row-major (L, N) float32 history and the
+// (N,) scale / scale_inv (float32) and count (int64). The event's value of column j is
+// staging[j] (or hist[0, j] when staging is null), 0 where ran[j] == 0 (ran may be null).
+// Columns whose value is 0 are skipped (unchanged, staging kept); the others get the window
+// amax (algo 0: max of hist[1..L-1, j] and the value; 1: the value), the roll
+// [0, H2, ..., H(L-1), value], count + 1, a new scale at events 1, 1 + interval, ..., and
+// nonfinite[j] += 1 (when not null) if the value is +inf. scale_inv = 1 / scale everywhere.
+int32_t fp8kit_delayed_update(float* hist, int64_t L, int64_t N, float* scale, float* scale_inv,
+                              int64_t* count, const uint8_t* ran, const float* staging,
+                              int64_t* nonfinite, int32_t algo, int64_t interval, float numerator,
+                              int32_t power2, int32_t fmax_exp, uint32_t fmax_mant,
+                              int32_t margin) {
+  using namespace fp8kit_native;
+  if (L < 1 || N < 0 || interval < 1) return kBadShape;
+  if (algo != 0 && algo != 1) return kBadFormat;
+  try {
+    const ScaleRule rule{numerator, power2, fmax_exp, fmax_mant, margin};
+    const int64_t blocks = (N + kUpdateCols - 1) / kUpdateCols;
+    const int64_t grain = std::max<int64_t>(1, kGrain / (L * kUpdateCols));
+    at::parallel_for(int64_t{0}, blocks, grain, [&](int64_t b_begin, int64_t b_end) {
+      for (int64_t b = b_begin; b < b_end; ++b) {
+        const int64_t j0 = b * kUpdateCols;
+        update_block(hist, L, N, j0, std::min(kUpdateCols, N - j0), scale, scale_inv, count, ran,
+                     staging, nonfinite, algo, interval, rule);
+      }
+    });
   } catch (...) {
     return kInternalError;
   }

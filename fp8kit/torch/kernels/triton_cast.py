@@ -1,16 +1,37 @@
 """Triton FP8 cast kernels for CUDA tensors (the GPU twin of ``fp8_cast.cpp``).
 
-Same numerics as :func:`fp8kit.torch.quantization.cast_to_fp8_reference` (SPEC section 2), and the
-same algorithm as the C++ kernel: one float32 multiply ``x * scale``, then the float32 -> FP8
-conversion done with integer arithmetic on the float32 bits (saturation by an integer min, round
-to nearest even for normals by adding half an ulp minus one plus the lowest kept bit, subnormals
-by a float32 add of a magic power of two). The kernel never uses Triton's float8 types, so its
-results do not depend on a GPU's conversion instructions, and Triton's interpreter
-(``TRITON_INTERPRET=1``, NumPy on the CPU) runs it unchanged, which is how the tests check it
-bit for bit on machines without a GPU.
+Same numerics as :func:`fp8kit.torch.kernels.reference.cast_to_fp8_reference` (SPEC section 2),
+and the same algorithm as the C++ kernel: one float32 multiply ``x * scale``, then the float32 ->
+FP8 conversion done with integer arithmetic on the float32 bits (saturation by an integer min,
+round to nearest even for normals by adding half an ulp minus one plus the lowest kept bit,
+subnormals by a float32 add of a magic power of two). The kernels never use Triton's float8
+types, so results do not depend on a GPU's conversion instructions, and Triton's interpreter
+(``TRITON_INTERPRET=1``, NumPy on the CPU) runs them unchanged: that is how the tests check them
+bit for bit on machines without a GPU. Divisions are ``tl.math.div_rn`` (IEEE round to nearest:
+Triton's ``/`` on float32 is the approximate ``div.full.f32``); kernels are compiled with
+``enable_fp_fusion=False`` so no multiply is fused into an FMA.
 
-One program handles ``BLOCK`` elements: it writes their FP8 codes and a partial amax (NaN
-ignored); the partials are reduced with ``torch.amax`` (deterministic, no atomics).
+Kernels (``docs/decisions/0210-kernel-api-and-dispatch.md`` has the design and the counts):
+
+- ``_cast_1d_kernel``: the plain cast. A grid of at most ``4 x SMs`` programs, each walking
+  blocks of 4096 elements (16 per thread: 16-byte loads and stores) without masks, the last
+  program also the masked tail; amax per thread in registers, reduced once per program and
+  folded with ONE integer ``atomic_max`` (non-negative float32 values order as their int32 bits).
+- ``_cast_2d_kernel``: 64 x 64 tiles of a row-major ``(M, N)`` input; writes the data tile, its
+  transpose (``tl.trans`` then a store along M, so both outputs are written in 64-byte rows), the
+  per-program column sums for dbias and the amax. Each program walks a run of row tiles of one
+  column block (a grid of about ``8 x SMs`` programs), so the atomics and the dbias partial rows
+  stay few.
+- ``_dbias_kernel``: adds the dbias partial rows and rounds to the input dtype (the second kernel
+  of a call with ``dbias=True``).
+- ``_amax_kernel``: the amax-only pass: per-program partials (the first kernel of current
+  scaling, read by the cast kernel, so no memset and no atomics), or one atomic per program
+  into an amax tensor.
+
+Scale modes of the cast kernels: 0 = the given scale tensor; 1 = current scaling (the scale is
+computed on the device from the amax partials of ``_amax_kernel``); 2 = first-step current
+scaling (the current scale when the slot's update count is 0, else the given scale, decided on
+the device). ``scale_inv = div_rn(1, scale)`` is written by program 0.
 
 ``triton`` is optional: :func:`triton_available` is False when it cannot be imported, and
 fp8kit then casts CUDA tensors with the pure-torch path.
@@ -20,7 +41,8 @@ from __future__ import annotations
 
 import torch
 
-from fp8kit.formats import E4M3, E5M2, FP8Format
+from fp8kit.formats import FP8Format
+from fp8kit.torch.kernels._common import CastResult, CastSpec, cast_spec
 
 try:  # optional dependency
     import triton
@@ -29,11 +51,25 @@ except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
 
-__all__ = ["triton_available", "triton_cast", "triton_cast_transpose"]
+__all__ = [
+    "amax",
+    "cast",
+    "cast_current",
+    "triton_available",
+    "triton_cast",
+    "triton_cast_transpose",
+]
 
-_BLOCK = 1024
-_TILE = 32
-_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BLOCK_1D = 4096  # elements per block of the plain cast (16 per thread with 8 warps)
+_BLOCK_AMAX = 8192  # elements per block of the amax pass
+_TILE = 64  # rows and columns of a 2-D tile
+_DBIAS_COLS = 256  # columns per program of the dbias reduction
+_DBIAS_ROWS = 32  # partial rows per load of the dbias reduction
+_MODE_GIVEN, _MODE_CURRENT, _MODE_FIRST_STEP = 0, 1, 2
+_F32 = torch.float32
+_IN_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_INTERPRETER_SMS = 1  # "SM count" for CPU tensors under TRITON_INTERPRET=1 (small grids)
+_sm_counts: dict[int, int] = {}
 
 
 def triton_available() -> bool:
@@ -41,41 +77,24 @@ def triton_available() -> bool:
     return triton is not None
 
 
-def _format_constants(fmt: FP8Format) -> dict[str, int | float]:
-    """Integer constants of the bit-level float32 -> ``fmt`` conversion (see the C++ source)."""
-    if fmt.name not in (E4M3.name, E5M2.name):
-        raise TypeError(f"fmt must be fp8kit.formats.E4M3 or E5M2, got {fmt!r}")
-    shift = 23 - fmt.mantissa_bits
-    rebias = (127 - fmt.bias) << 23
-    half_minus_one = (1 << (shift - 1)) - 1
-    fmax_bits = int(torch.tensor(fmt.max, dtype=torch.float32).view(torch.int32).item())
-    magic_exp = 127 + 23 + 1 - fmt.bias - fmt.mantissa_bits
-    return {
-        "FMAX_BITS": fmax_bits,
-        "MIN_NORMAL_BITS": (127 + 1 - fmt.bias) << 23,
-        # a + half_minus_one - rebias, as an unsigned 32-bit constant (wraps like the C++ code)
-        "ADD_BITS": (half_minus_one - rebias) % (1 << 32),
-        "SHIFT": shift,
-        "MAGIC": float(2.0 ** (magic_exp - 127)),
-        "MAGIC_BITS": magic_exp << 23,
-    }
-
-
 if triton is not None:
 
     @triton.jit
-    def _encode(
-        x,
-        scale,
-        FMAX_BITS: tl.constexpr,
-        MIN_NORMAL_BITS: tl.constexpr,
-        ADD_BITS: tl.constexpr,
-        SHIFT: tl.constexpr,
-        MAGIC: tl.constexpr,
-        MAGIC_BITS: tl.constexpr,
-    ):
-        """float32 block -> uint8 FP8 codes (saturating, round to nearest even, NaN kept)."""
-        b = (x * scale).to(tl.uint32, bitcast=True)
+    def _encode(p, FMT: tl.constexpr):
+        """float32 products -> uint8 FP8 codes (saturating, round to nearest even, NaN kept).
+
+        FMT 0 = E4M3fn (3 mantissa bits, bias 7, fmax 448), 1 = E5M2 (2, 15, 57344)."""
+        MANT: tl.constexpr = 3 if FMT == 0 else 2
+        BIAS: tl.constexpr = 7 if FMT == 0 else 15
+        FMAX_BITS: tl.constexpr = 0x43E00000 if FMT == 0 else 0x47600000
+        SHIFT: tl.constexpr = 23 - MANT
+        MIN_NORMAL_BITS: tl.constexpr = (127 + 1 - BIAS) << 23
+        # a + (half ulp - 1) - rebias, as one unsigned 32-bit constant (wraps like the C++ code)
+        ADD_BITS: tl.constexpr = ((1 << (SHIFT - 1)) - 1 - ((127 - BIAS) << 23)) % (1 << 32)
+        MAGIC_EXP: tl.constexpr = 127 + 23 + 1 - BIAS - MANT  # ulp of 2^(MAGIC_EXP-127): quantum
+        MAGIC: tl.constexpr = 2.0 ** (MAGIC_EXP - 127)
+        MAGIC_BITS: tl.constexpr = MAGIC_EXP << 23
+        b = p.to(tl.uint32, bitcast=True)
         sign = (b >> 24) & 0x80
         a = b & 0x7FFFFFFF
         is_nan = a > 0x7F800000
@@ -87,9 +106,17 @@ if triton is not None:
         return (code | sign).to(tl.uint8)
 
     @triton.jit
-    def _to_float32(raw, BF16_BITS: tl.constexpr):
-        """Widen a loaded block to float32; bfloat16 arrives as its int16 bits (see _launch)."""
-        if BF16_BITS:
+    def _in_ptr(x_ptr, IN: tl.constexpr):
+        """bfloat16 (IN 1) is read as its int16 bits and widened by a shift: exact on GPUs, and
+        the interpreter's own bfloat16 conversion flushes subnormals."""
+        if IN == 1:
+            return x_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
+        else:
+            return x_ptr
+
+    @triton.jit
+    def _widen(raw, IN: tl.constexpr):
+        if IN == 1:
             return (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(
                 tl.float32, bitcast=True
             )
@@ -97,167 +124,505 @@ if triton is not None:
             return raw.to(tl.float32)
 
     @triton.jit
-    def _cast_kernel(
-        x_ptr,
-        scale_ptr,
-        out_ptr,
-        partial_ptr,
-        n,
-        FMAX_BITS: tl.constexpr,
-        MIN_NORMAL_BITS: tl.constexpr,
-        ADD_BITS: tl.constexpr,
-        SHIFT: tl.constexpr,
-        MAGIC: tl.constexpr,
-        MAGIC_BITS: tl.constexpr,
-        BF16_BITS: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = _to_float32(tl.load(x_ptr + offs, mask=mask, other=0), BF16_BITS)
-        scale = tl.load(scale_ptr)
+    def _abs_no_nan(x):
+        """|x| with NaN replaced by 0 (NaN never enters an amax)."""
         ax = tl.abs(x)
-        ax = tl.where(ax == ax, ax, 0.0)  # NaN never enters the amax
-        tl.store(partial_ptr + pid, tl.max(ax, axis=0))
-        code = _encode(x, scale, FMAX_BITS, MIN_NORMAL_BITS, ADD_BITS, SHIFT, MAGIC, MAGIC_BITS)
-        tl.store(out_ptr + offs, code, mask=mask)
+        return tl.where(ax == ax, ax, 0.0)
 
     @triton.jit
-    def _cast_transpose_kernel(
+    def scale_from_amax(amax, old, numerator, fmax_exp, fmax_mant, margin, POW2: tl.constexpr):
+        """The delayed-scaling scale rule (SPEC section 3), bit for bit the torch reference.
+
+        ``old`` where amax is 0, inf or NaN; else ``div_rn(numerator, amax)`` (an infinite
+        quotient -> FLT_MAX), or with POW2 ``2**(e - margin)``, e the largest integer with
+        ``2**e * amax <= fmax`` (from the exponents and 23-bit mantissas, exact), capped at
+        2**127 and rounded like float64 -> float32 below 2**-126. amax >= 0 (or NaN) here, so
+        its int32 bits order like its values."""
+        bits = amax.to(tl.int32, bitcast=True)
+        usable = (bits > 0) & (bits < 0x7F800000)
+        safe = tl.where(usable, amax, 1.0)
+        if POW2:
+            a = safe.to(tl.int32, bitcast=True)
+            is_sub = a < 0x800000
+            a = tl.where(is_sub, (safe * 16777216.0).to(tl.int32, bitcast=True), a)
+            ea = (a >> 23) - tl.where(is_sub, 127 + 24, 127)
+            e = fmax_exp - ea - ((a & 0x7FFFFF) > fmax_mant).to(tl.int32) - margin
+            e = tl.minimum(e, 127)
+            normal = ((tl.maximum(e, -126) + 127) << 23).to(tl.float32, bitcast=True)
+            one = tl.zeros_like(e) + 1
+            tiny = (one << tl.minimum(tl.maximum(e + 149, 0), 22)).to(tl.float32, bitcast=True)
+            s = tl.where(e >= -126, normal, tl.where(e >= -149, tiny, 0.0))
+        else:
+            s = tl.math.div_rn(tl.zeros_like(safe) + numerator, safe)
+            s = tl.where(s.to(tl.int32, bitcast=True) == 0x7F800000, 3.4028234663852886e38, s)
+        return tl.where(usable, s, old)
+
+    @triton.jit
+    def _scale_for(
+        scale_ptr,
+        count_ptr,
+        partial_ptr,
+        n_partials,
+        FMT: tl.constexpr,
+        MODE: tl.constexpr,
+        POW2: tl.constexpr,
+        P_BLOCK: tl.constexpr,
+    ):
+        """``(scale, amax of x)`` of a cast program; the amax is only known (from the amax
+        pass's partials) in modes 1 and 2, and 0.0 in mode 0."""
+        FMAX: tl.constexpr = 448.0 if FMT == 0 else 57344.0
+        FMAX_EXP: tl.constexpr = 8 if FMT == 0 else 15
+        FMAX_MANT: tl.constexpr = 0x600000  # both maxima are 1.75 * 2**e
+        if MODE == 0:
+            return tl.load(scale_ptr), 0.0
+        else:
+            offs = tl.arange(0, P_BLOCK)
+            parts = tl.load(partial_ptr + offs, mask=offs < n_partials, other=0.0)
+            amax = tl.max(parts, axis=0)
+            current = scale_from_amax(amax, 1.0, FMAX, FMAX_EXP, FMAX_MANT, 0, POW2)
+            if MODE == 1:
+                return current, amax
+            else:
+                return tl.where(tl.load(count_ptr) == 0, current, tl.load(scale_ptr)), amax
+
+    @triton.jit
+    def _finish(acc_max, amax_all, scale, amax_ptr, scale_inv_ptr, MODE: tl.constexpr):
+        """Program 0 writes scale_inv (and in mode 1 the amax); in modes 0 and 2 every program
+        folds its amax into amax_ptr with one integer atomic max."""
+        first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+        if MODE == 1:
+            if first:
+                tl.store(amax_ptr, amax_all)
+        else:
+            ptr = amax_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+            tl.atomic_max(ptr, acc_max.to(tl.int32, bitcast=True))
+        if first:
+            tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
+
+    @triton.jit
+    def _cast_1d_kernel(
         x_ptr,
         scale_ptr,
+        count_ptr,
+        partial_ptr,
+        out_ptr,
+        amax_ptr,
+        scale_inv_ptr,
+        n,
+        n_partials,
+        FMT: tl.constexpr,
+        IN: tl.constexpr,
+        MODE: tl.constexpr,
+        POW2: tl.constexpr,
+        BLOCK: tl.constexpr,
+        P_BLOCK: tl.constexpr,
+    ):
+        scale, amax_all = _scale_for(
+            scale_ptr, count_ptr, partial_ptr, n_partials, FMT, MODE, POW2, P_BLOCK
+        )
+        src = _in_ptr(x_ptr, IN)
+        dst = out_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        n_main = (n // BLOCK) * BLOCK
+        first = tl.program_id(0).to(tl.int64) * BLOCK
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(first, n_main, step):  # whole blocks: no masks, 16-byte accesses
+            offs = start + tl.arange(0, BLOCK)
+            x = _widen(tl.load(src + offs), IN)
+            if MODE != 1:
+                acc = tl.maximum(acc, _abs_no_nan(x))
+            tl.store(dst + offs, _encode(x * scale, FMT))
+        if tl.program_id(0) == tl.num_programs(0) - 1:  # the tail (maybe empty)
+            offs = n_main + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = _widen(tl.load(src + offs, mask=mask, other=0), IN)
+            if MODE != 1:
+                acc = tl.maximum(acc, _abs_no_nan(x))
+            tl.store(dst + offs, _encode(x * scale, FMT), mask=mask)
+        _finish(tl.max(acc, axis=0), amax_all, scale, amax_ptr, scale_inv_ptr, MODE)
+
+    @triton.jit
+    def _cast_2d_kernel(
+        x_ptr,
+        scale_ptr,
+        count_ptr,
+        partial_ptr,
         out_ptr,
         out_t_ptr,
-        partial_ptr,
+        amax_ptr,
+        scale_inv_ptr,
+        dbias_ptr,
         m,
         n,
-        FMAX_BITS: tl.constexpr,
-        MIN_NORMAL_BITS: tl.constexpr,
-        ADD_BITS: tl.constexpr,
-        SHIFT: tl.constexpr,
-        MAGIC: tl.constexpr,
-        MAGIC_BITS: tl.constexpr,
-        BF16_BITS: tl.constexpr,
-        TILE: tl.constexpr,
+        tiles_per_program,
+        n_partials,
+        FMT: tl.constexpr,
+        IN: tl.constexpr,
+        MODE: tl.constexpr,
+        POW2: tl.constexpr,
+        TRANSPOSE: tl.constexpr,
+        DBIAS: tl.constexpr,
+        EVEN: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        P_BLOCK: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rows = pid_m.to(tl.int64) * TILE + tl.arange(0, TILE)
-        cols = pid_n.to(tl.int64) * TILE + tl.arange(0, TILE)
-        mask = (rows[:, None] < m) & (cols[None, :] < n)
-        x = tl.load(x_ptr + rows[:, None] * n + cols[None, :], mask=mask, other=0)
-        x = _to_float32(x, BF16_BITS)
-        scale = tl.load(scale_ptr)
-        ax = tl.abs(x)
-        ax = tl.where(ax == ax, ax, 0.0)
-        tl.store(
-            partial_ptr + pid_m * tl.num_programs(1) + pid_n, tl.max(tl.max(ax, axis=1), axis=0)
+        scale, amax_all = _scale_for(
+            scale_ptr, count_ptr, partial_ptr, n_partials, FMT, MODE, POW2, P_BLOCK
         )
-        code = _encode(x, scale, FMAX_BITS, MIN_NORMAL_BITS, ADD_BITS, SHIFT, MAGIC, MAGIC_BITS)
-        tl.store(out_ptr + rows[:, None] * n + cols[None, :], code, mask=mask)
-        code_t = tl.trans(code)
-        mask_t = (cols[:, None] < n) & (rows[None, :] < m)
-        tl.store(out_t_ptr + cols[:, None] * m + rows[None, :], code_t, mask=mask_t)
+        src = _in_ptr(x_ptr, IN)
+        dst = out_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+        dst_t = out_t_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        cols = pid_n * BN + tl.arange(0, BN)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)  # elementwise: reduced once, after the loop
+        col_acc = tl.zeros([BM, BN], dtype=tl.float32)
+        tile_begin = pid_m * tiles_per_program
+        tile_end = tl.minimum(tile_begin + tiles_per_program, tl.cdiv(m, BM))
+        for tile in range(tile_begin, tile_end):
+            rows = tile * BM + tl.arange(0, BM)
+            offs = rows.to(tl.int64)[:, None] * n + cols[None, :]
+            if EVEN:  # M % BM == 0 and N % BN == 0: every tile is whole
+                x = _widen(tl.load(src + offs), IN)
+            else:
+                mask = (rows[:, None] < m) & (cols[None, :] < n)
+                x = _widen(tl.load(src + offs, mask=mask, other=0), IN)
+            if MODE != 1:
+                acc = tl.maximum(acc, _abs_no_nan(x))
+            if DBIAS:
+                col_acc += x
+            code = _encode(x * scale, FMT)
+            if EVEN:
+                tl.store(dst + offs, code)
+            else:
+                tl.store(dst + offs, code, mask=mask)
+            if TRANSPOSE:
+                offs_t = cols.to(tl.int64)[:, None] * m + rows[None, :]
+                if EVEN:
+                    tl.store(dst_t + offs_t, tl.trans(code))
+                else:
+                    mask_t = (cols[:, None] < n) & (rows[None, :] < m)
+                    tl.store(dst_t + offs_t, tl.trans(code), mask=mask_t)
+        if DBIAS:
+            col_sum = tl.sum(col_acc, axis=0)
+            tl.store(dbias_ptr + pid_m.to(tl.int64) * n + cols, col_sum, mask=cols < n)
+        _finish(tl.max(tl.max(acc, axis=1), axis=0), amax_all, scale, amax_ptr, scale_inv_ptr, MODE)
+
+    @triton.jit
+    def _dbias_kernel(
+        partial_ptr,
+        out_ptr,
+        rows,
+        n,
+        IN: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """dbias[j] = sum over the partial rows, rounded to nearest even into the input dtype."""
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < n
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for r0 in range(0, rows, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            ptrs = partial_ptr + r.to(tl.int64)[:, None] * n + cols[None, :]
+            acc += tl.sum(tl.load(ptrs, mask=(r[:, None] < rows) & cmask[None, :], other=0.0), 0)
+        if IN == 0:
+            tl.store(out_ptr + cols, acc, mask=cmask)
+        elif IN == 1:  # bfloat16 by integer rounding (the interpreter's own cast truncates)
+            b = acc.to(tl.uint32, bitcast=True)
+            rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+            bits = tl.where((b & 0x7FFFFFFF) > 0x7F800000, (b >> 16) | 0x40, rounded)
+            dst = out_ptr.to(tl.pointer_type(tl.uint16), bitcast=True)
+            tl.store(dst + cols, bits.to(tl.uint16), mask=cmask)
+        else:
+            tl.store(out_ptr + cols, acc.to(tl.float16), mask=cmask)
+
+    @triton.jit
+    def _amax_kernel(
+        x_ptr,
+        count_ptr,
+        out_ptr,
+        n,
+        IN: tl.constexpr,
+        FIRST_STEP: tl.constexpr,
+        ATOMIC: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """max|x| (NaN ignored) of the blocks this program walks: stored to out_ptr[pid]
+        (partials), or with ATOMIC folded into out_ptr[0]. FIRST_STEP: skip the work (store 0)
+        unless the update count is 0 (the cast kernel then uses the given scale)."""
+        src = _in_ptr(x_ptr, IN)
+        active = True
+        if FIRST_STEP:
+            active = tl.load(count_ptr) == 0
+        n_main = tl.where(active, (n // BLOCK) * BLOCK, 0)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        first = tl.program_id(0).to(tl.int64) * BLOCK
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(first, n_main, step):
+            x = _widen(tl.load(src + start + tl.arange(0, BLOCK)), IN)
+            acc = tl.maximum(acc, _abs_no_nan(x))
+        if (tl.program_id(0) == tl.num_programs(0) - 1) & active:
+            offs = (n // BLOCK) * BLOCK + tl.arange(0, BLOCK)
+            x = _widen(tl.load(src + offs, mask=offs < n, other=0), IN)
+            acc = tl.maximum(acc, _abs_no_nan(x))
+        result = tl.max(acc, axis=0)
+        if ATOMIC:
+            ptr = out_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+            tl.atomic_max(ptr, result.to(tl.int32, bitcast=True))
+        else:
+            tl.store(out_ptr + tl.program_id(0), result)
 
 
-def _check(x: torch.Tensor, scale: torch.Tensor) -> None:
-    if triton is None:
-        raise RuntimeError("triton is not installed: pip install triton (see constraints.txt)")
-    if x.dtype not in _INPUT_DTYPES:
-        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    if scale.dtype != torch.float32 or scale.numel() != 1:
-        raise TypeError(
-            f"scale must be a float32 tensor with one element, got {scale.dtype} "
-            f"with {scale.numel()} elements"
+# ---------------------------------------------------------------------------------------------
+# Launchers (arguments checked by dispatch.py; x is CUDA, or CPU under TRITON_INTERPRET=1)
+
+
+def _sms(x: torch.Tensor) -> int:
+    """Streaming multiprocessors of x's GPU (cached per device; small under the interpreter)."""
+    index = x.get_device()
+    count = _sm_counts.get(index)
+    if count is None:
+        if index < 0:
+            count = _INTERPRETER_SMS
+        else:
+            count = torch.cuda.get_device_properties(index).multi_processor_count
+        _sm_counts[index] = count
+    return count
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _partials_block(sms: int) -> int:
+    """P_BLOCK: the partial-amax slots every cast program reads (one constant per device, so the
+    kernels compile once whatever the input size)."""
+    return 1 << (4 * sms - 1).bit_length()
+
+
+def _amax_partials(
+    x: torch.Tensor, spec: CastSpec, count: torch.Tensor | None, sms: int
+) -> tuple[torch.Tensor, int]:
+    """Kernel 1 of current / first-step scaling: at most ``4 x SMs`` partial amaxes (not
+    zero-filled: every program writes its slot)."""
+    n = x.numel()
+    programs = max(1, min(_cdiv(n, _BLOCK_AMAX), 4 * sms))
+    partials = torch.empty((programs,), dtype=_F32, device=x.device)
+    first_step = count is not None
+    _amax_kernel[(programs,)](
+        x,
+        count if first_step else partials,
+        partials,
+        n,
+        spec.in_id,
+        first_step,
+        False,
+        _BLOCK_AMAX,
+        num_warps=8,
+        enable_fp_fusion=False,
+    )
+    return partials, programs
+
+
+def _launch(
+    x: torch.Tensor,
+    spec: CastSpec,
+    mode: int,
+    power_2_scale: bool,
+    scale: torch.Tensor | None,
+    count: torch.Tensor | None,
+    transpose: bool,
+    amax_out: torch.Tensor | None,
+    dbias: bool,
+    out: torch.Tensor | None = None,
+) -> CastResult:
+    if not x.is_contiguous():
+        x = x.contiguous()
+    sms = _sms(x)
+    device = x.device
+    partials, n_partials = (None, 0)
+    if mode != _MODE_GIVEN:
+        partials, n_partials = _amax_partials(x, spec, count, sms)
+    data = torch.empty(x.shape, dtype=spec.fp8_dtype, device=device) if out is None else out
+    scale_inv = torch.empty((), dtype=_F32, device=device)
+    if mode == _MODE_CURRENT:
+        amax = amax_t = torch.empty((), dtype=_F32, device=device)
+    elif amax_out is None:
+        amax = amax_t = torch.zeros((), dtype=_F32, device=device)  # the atomics' start
+    else:
+        amax, amax_t = None, amax_out
+    scale_arg = scale if scale is not None else scale_inv  # unused in mode 1
+    count_arg = count if count is not None else scale_inv  # read in mode 2 only
+    partial_arg = partials if partials is not None else scale_inv  # read in modes 1, 2
+    p_block = _partials_block(sms)
+    if not (transpose or dbias):
+        n = x.numel()
+        programs = max(1, min(_cdiv(n, _BLOCK_1D), 4 * sms))
+        _cast_1d_kernel[(programs,)](
+            x,
+            scale_arg,
+            count_arg,
+            partial_arg,
+            data,
+            amax_t,
+            scale_inv,
+            n,
+            n_partials,
+            spec.fmt_id,
+            spec.in_id,
+            mode,
+            power_2_scale,
+            _BLOCK_1D,
+            p_block,
+            num_warps=8,
+            enable_fp_fusion=False,
         )
-    if scale.device != x.device:
-        raise ValueError(f"scale is on {scale.device} but x is on {x.device}")
+        return CastResult(data, None, amax, scale_inv, None)
+    m, n = x.shape
+    col_blocks = _cdiv(n, _TILE)
+    row_tiles = _cdiv(m, _TILE)
+    groups = max(1, min(row_tiles, _cdiv(8 * sms, col_blocks)))
+    tiles_per_program = _cdiv(row_tiles, groups)
+    groups = _cdiv(row_tiles, tiles_per_program)
+    data_t = torch.empty((n, m), dtype=spec.fp8_dtype, device=device) if transpose else None
+    partial_sums = torch.empty((groups, n), dtype=_F32, device=device) if dbias else None
+    _cast_2d_kernel[(col_blocks, groups)](
+        x,
+        scale_arg,
+        count_arg,
+        partial_arg,
+        data,
+        data_t if data_t is not None else data,
+        amax_t,
+        scale_inv,
+        partial_sums if partial_sums is not None else scale_inv,
+        m,
+        n,
+        tiles_per_program,
+        n_partials,
+        spec.fmt_id,
+        spec.in_id,
+        mode,
+        power_2_scale,
+        transpose,
+        dbias,
+        m % _TILE == 0 and n % _TILE == 0,
+        _TILE,
+        _TILE,
+        p_block,
+        num_warps=8 if spec.in_id == 0 else 4,
+        enable_fp_fusion=False,
+    )
+    bias = None
+    if partial_sums is not None:
+        bias = torch.empty((n,), dtype=x.dtype, device=device)
+        _dbias_kernel[(_cdiv(n, _DBIAS_COLS),)](
+            partial_sums,
+            bias,
+            groups,
+            n,
+            spec.in_id,
+            _DBIAS_ROWS,
+            _DBIAS_COLS,
+            num_warps=4,
+            enable_fp_fusion=False,
+        )
+    return CastResult(data, data_t, amax, scale_inv, bias)
 
 
-def _is_bf16(x: torch.Tensor) -> bool:
-    return x.dtype == torch.bfloat16
+def cast(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    spec: CastSpec,
+    transpose: bool,
+    amax_out: torch.Tensor | None,
+    dbias: bool,
+    first_step_count: torch.Tensor | None,
+) -> CastResult:
+    """:func:`fp8kit.torch.kernels.cast_fp8` with Triton (1 kernel; 2 with ``first_step_count``;
+    +1 with ``dbias``; +1 fill when ``amax_out`` is None)."""
+    mode = _MODE_GIVEN if first_step_count is None else _MODE_FIRST_STEP
+    return _launch(x, spec, mode, False, scale, first_step_count, transpose, amax_out, dbias)
 
 
-def _raw(x: torch.Tensor) -> torch.Tensor:
-    """bfloat16 goes in as its int16 bits: the kernel widens it with a shift (exact everywhere;
-    the interpreter's own bfloat16 conversion flushes subnormals)."""
-    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+def cast_current(
+    x: torch.Tensor, spec: CastSpec, power_2_scale: bool, transpose: bool, dbias: bool
+) -> CastResult:
+    """:func:`fp8kit.torch.kernels.cast_fp8_current` with Triton (2 kernels; +1 with dbias)."""
+    return _launch(x, spec, _MODE_CURRENT, power_2_scale, None, None, transpose, None, dbias)
 
 
-def _fp8_dtype(fmt: FP8Format) -> torch.dtype:
-    return torch.float8_e4m3fn if fmt.name == E4M3.name else torch.float8_e5m2
+def amax(x: torch.Tensor, amax_out: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`fp8kit.torch.kernels.compute_amax` with Triton (1 kernel, +1 fill without
+    ``amax_out``)."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.zeros((), dtype=_F32, device=x.device) if amax_out is None else None
+    target = amax_out if out is None else out
+    n = x.numel()
+    programs = max(1, min(_cdiv(n, _BLOCK_AMAX), 4 * _sms(x)))
+    _amax_kernel[(programs,)](
+        x,
+        target,
+        target,
+        n,
+        _IN_IDS[x.dtype],
+        False,
+        True,
+        _BLOCK_AMAX,
+        num_warps=8,
+        enable_fp_fusion=False,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The older entry points (fp8kit.torch.quantization.cast_to_fp8 and cast_to_fp8_transpose)
 
 
 def triton_cast(
     x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One-pass FP8 cast with Triton: ``(data, amax)`` exactly as ``cast_to_fp8_reference``.
+    """One-pass FP8 cast: ``(data, amax)`` exactly as ``cast_to_fp8_reference``, with data laid
+    out like ``torch.empty_like(x)`` (a transposed input gives a transposed output).
 
     Args:
         x: float32 / bfloat16 / float16 tensor (CUDA; CPU under ``TRITON_INTERPRET=1``).
         scale: float32 one-element tensor on ``x``'s device.
         fmt: target format.
-
-    Returns:
-        ``data`` (FP8, ``x.shape``, laid out like ``torch.empty_like(x)``) and ``amax`` (float32
-        0-d, ``max |x|`` with NaN ignored, 0 when empty or all NaN).
     """
-    _check(x, scale)
-    consts = _format_constants(fmt)
-    out = torch.empty_like(x, dtype=torch.uint8)
+    spec = cast_spec(fmt, x)
+    out = torch.empty_like(x, dtype=spec.fp8_dtype)
     src = x
     if x.stride() != out.stride():  # not dense in empty_like's layout: densify in that layout
         src = torch.empty_like(x)
         src.copy_(x)
-    n = x.numel()
-    if n == 0:
-        return out.view(_fp8_dtype(fmt)), torch.zeros((), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, _BLOCK),)
-    partial = torch.empty(grid[0], dtype=torch.float32, device=x.device)
-    _cast_kernel[grid](
-        _raw(src), scale.reshape(1), out, partial, n, **consts, BF16_BITS=_is_bf16(x), BLOCK=_BLOCK
-    )
-    return out.view(_fp8_dtype(fmt)), partial.amax()
+    if x.numel() == 0:
+        return out, torch.zeros((), dtype=_F32, device=x.device)
+    # the memory of src and out is dense and in the same order: cast it as a flat buffer
+    flat_src = src.as_strided((src.numel(),), (1,))
+    flat_out = out.as_strided((out.numel(),), (1,))
+    result = _launch(flat_src, spec, _MODE_GIVEN, False, scale, None, False, None, False, flat_out)
+    return out, result.amax  # type: ignore[return-value]
 
 
 def triton_cast_transpose(
     x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One-pass FP8 cast of a 2-D tensor also writing the transposed copy, with Triton.
-
-    Args:
-        x: float32 / bfloat16 / float16 tensor of shape ``(M, N)``.
-        scale: float32 one-element tensor on ``x``'s device.
-        fmt: target format.
+    """One-pass FP8 cast of a 2-D tensor also writing the transposed copy.
 
     Returns:
         ``(data, data_t, amax)``: row-major FP8 ``(M, N)`` and ``(N, M)``, float32 0-d amax.
     """
-    _check(x, scale)
+    spec = cast_spec(fmt, x)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
-    consts = _format_constants(fmt)
-    m, n = x.shape
-    src = x.contiguous()
-    out = torch.empty((m, n), dtype=torch.uint8, device=x.device)
-    out_t = torch.empty((n, m), dtype=torch.uint8, device=x.device)
-    dtype = _fp8_dtype(fmt)
-    if m == 0 or n == 0:
-        amax = torch.zeros((), dtype=torch.float32, device=x.device)
-        return out.view(dtype), out_t.view(dtype), amax
-    grid = (triton.cdiv(m, _TILE), triton.cdiv(n, _TILE))
-    partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=x.device)
-    _cast_transpose_kernel[grid](
-        _raw(src),
-        scale.reshape(1),
-        out,
-        out_t,
-        partial,
-        m,
-        n,
-        **consts,
-        BF16_BITS=_is_bf16(x),
-        TILE=_TILE,
-    )
-    return out.view(dtype), out_t.view(dtype), partial.amax()
+    if x.numel() == 0:
+        m, n = x.shape
+        data = torch.empty((m, n), dtype=spec.fp8_dtype, device=x.device)
+        data_t = torch.empty((n, m), dtype=spec.fp8_dtype, device=x.device)
+        return data, data_t, torch.zeros((), dtype=_F32, device=x.device)
+    r = _launch(x, spec, _MODE_GIVEN, False, scale, None, True, None, False)
+    return r.data, r.data_t, r.amax  # type: ignore[return-value]

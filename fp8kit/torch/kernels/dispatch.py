@@ -1,0 +1,528 @@
+"""The FP8 kernel API and the one place that picks a backend for it.
+
+Backends (``docs/decisions/0210-kernel-api-and-dispatch.md``):
+
+- ``"native"`` for CPU tensors: the C++ library (:mod:`.native`, built on first use by
+  :mod:`._native`). One ctypes call per kernel, so zero aten ops beyond the outputs'
+  ``torch.empty``.
+- ``"triton"`` for CUDA tensors: :mod:`.triton_cast` / :mod:`.triton_update`, imported on the
+  first CUDA call (``triton`` is optional and takes a third of a second to import, so a CPU-only
+  process never pays for it).
+- ``"reference"`` (:mod:`.reference`, pure torch, same results bit for bit) for anything else:
+  other devices, ``torch.compile`` tracing, a native library that could not be built (one
+  :class:`NativeKernelWarning`), a missing ``triton``, or a Triton kernel that failed once (one
+  warning, then the reference for the rest of the process).
+
+Every public function checks its arguments once, cheaply (dictionary lookups and attribute
+reads), and raises a clear error naming the parameter; the backends trust them. ``backend=``
+forces one backend (tests, benchmarks); None (the default) picks as above.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from types import ModuleType
+
+import torch
+
+from fp8kit.formats import FP8Format
+from fp8kit.torch.kernels import native, reference
+from fp8kit.torch.kernels._common import (
+    INPUT_DTYPES,
+    CastResult,
+    cast_spec,
+    update_config,
+)
+from fp8kit.torch.kernels._native import (
+    NativeKernelWarning,
+    load_native,
+    native_cast_transpose,
+    native_dequantize,
+)
+
+__all__ = [
+    "BACKENDS",
+    "CastResult",
+    "backend_for",
+    "cast_fp8",
+    "cast_fp8_current",
+    "cast_to_fp8_transpose",
+    "compute_amax",
+    "delayed_update_",
+    "dequantize_fp8",
+    "triton_available",
+    "try_triton_cast",
+]
+
+BACKENDS = ("native", "triton", "reference")
+"""Names accepted by ``backend=``."""
+
+_F32 = torch.float32
+_I64 = torch.int64
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_TRITON_MODULES = ("fp8kit.torch.kernels.triton_cast", "fp8kit.torch.kernels.triton_update")
+# The Triton backend: None until the first CUDA call, then a namespace of its functions, or
+# False when triton cannot be imported or one of its kernels failed.
+_triton_state: dict[str, object] = {"backend": None, "error": None}
+
+
+class _TritonBackend:
+    """The Triton modules' functions under the backend names (see :mod:`.triton_cast`)."""
+
+    def __init__(self, cast_module: ModuleType, update_module: ModuleType) -> None:
+        self.cast = cast_module.cast
+        self.cast_current = cast_module.cast_current
+        self.amax = cast_module.amax
+        self.delayed_update = update_module.delayed_update
+        self.triton_cast = cast_module.triton_cast
+        self.triton_cast_transpose = cast_module.triton_cast_transpose
+
+
+def _load_triton() -> _TritonBackend | None:
+    """The Triton backend, importing it on first use (None without triton or after a failure)."""
+    backend = _triton_state["backend"]
+    if backend is None:
+        cast_module = importlib.import_module(_TRITON_MODULES[0])  # lazy: triton is optional
+        if cast_module.triton_available():
+            backend = _TritonBackend(cast_module, importlib.import_module(_TRITON_MODULES[1]))
+        else:
+            backend = False
+            _triton_state["error"] = "triton is not installed"
+        _triton_state["backend"] = backend
+    return backend or None  # type: ignore[return-value]
+
+
+def triton_available() -> bool:
+    """True when the Triton backend can run: ``triton`` imports and no kernel has failed."""
+    return _load_triton() is not None
+
+
+def _triton_failed(exc: Exception) -> None:
+    """Disable the Triton backend for this process with one warning (later calls use torch)."""
+    _triton_state["backend"] = False
+    _triton_state["error"] = f"{type(exc).__name__}: {exc}"
+    warnings.warn(
+        "fp8kit: a Triton FP8 kernel failed, so fp8kit uses its pure-torch kernels for CUDA "
+        f"tensors from now on (same results). Reason: {str(_triton_state['error'])[-2000:]}",
+        NativeKernelWarning,
+        stacklevel=4,
+    )
+
+
+def backend_for(x: torch.Tensor) -> str:
+    """The backend the automatic dispatch runs for tensors like ``x`` (``"native"``,
+    ``"triton"`` or ``"reference"``); loads the native library or imports triton if needed."""
+    return _auto(x)[0]
+
+
+def _auto(x: torch.Tensor) -> tuple[str, object]:
+    if x.is_cuda:
+        if not torch.compiler.is_compiling():
+            triton_backend = _load_triton()
+            if triton_backend is not None:
+                return "triton", triton_backend
+    elif x.is_cpu and not torch.compiler.is_compiling() and load_native() is not None:
+        return "native", native
+    return "reference", reference
+
+
+def _forced(name: str) -> object:
+    if name == "reference":
+        return reference
+    if name == "native":
+        if load_native() is None:
+            raise RuntimeError("backend='native': the native library is unavailable")
+        return native
+    if name == "triton":
+        triton_backend = _load_triton()
+        if triton_backend is None:
+            raise RuntimeError(f"backend='triton' is unavailable: {_triton_state['error']}")
+        return triton_backend
+    raise ValueError(f"backend must be None or one of {BACKENDS}, got {name!r}")
+
+
+def _call(x: torch.Tensor, backend: str | None, method: str, *args: object) -> object:
+    """Run ``method`` of the chosen backend; a Triton failure falls back to the reference."""
+    if backend is None:
+        name, impl = _auto(x)
+    else:
+        name, impl = backend, _forced(backend)
+    if name != "triton" or backend is not None:
+        return getattr(impl, method)(*args)
+    try:
+        return getattr(impl, method)(*args)
+    except Exception as exc:  # compile / launch failure: the reference from now on
+        _triton_failed(exc)
+        return getattr(reference, method)(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (cheap; they run on every call)
+
+
+def _describe(t: object) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+
+
+def _check_one(name: str, t: object, dtype: torch.dtype, x: torch.Tensor) -> None:
+    """``t`` must be a one-element ``dtype`` tensor on ``x``'s device."""
+    if (
+        isinstance(t, torch.Tensor)
+        and t.dtype is dtype
+        and t.numel() == 1
+        and t.is_cuda is x.is_cuda
+        and t.get_device() == x.get_device()
+    ):
+        return
+    raise TypeError(
+        f"{name} must be a {dtype} tensor with one element on x's device ({x.device}), "
+        f"got {_describe(t)}"
+    )
+
+
+def _check_2d(x: torch.Tensor, what: str) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{what} needs a 2-D x of shape (M, N), got shape {tuple(x.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The API
+
+
+def cast_fp8(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype | FP8Format,
+    *,
+    transpose: bool = False,
+    amax_out: torch.Tensor | None = None,
+    dbias: bool = False,
+    first_step_current: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> CastResult:
+    """Cast ``x`` to FP8 with ``scale`` (delayed scaling) in one read of ``x``.
+
+    ``q = saturate(round_nearest_even(float32(x) * scale))`` (NaN stays NaN, +-inf saturates to
+    +-fmax), bit for bit :func:`.reference.cast_to_fp8_reference`.
+
+    Args:
+        x: float32 / bfloat16 / float16 tensor, any shape (2-D for ``transpose`` / ``dbias``).
+            A non-contiguous ``x`` is copied to row-major first.
+        scale: float32 one-element tensor on ``x``'s device.
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (or ``E4M3`` / ``E5M2``).
+        transpose: also write ``data_t``, the ``(N, M)`` row-major transpose.
+        amax_out: float32 one-element tensor on ``x``'s device (typically a view of one element
+            of a state's staging row, any strides): the kernel folds the amax into it in place,
+            ``amax_out = max(amax_out, max|x|)`` (an atomic max on CUDA), and ``result.amax``
+            is None (no allocation, no fill kernel).
+        dbias: also compute the column sums of ``x`` (float32, rounded to ``x.dtype``).
+        first_step_current: the slot's int64 one-element update-count tensor: where it is 0
+            the cast uses the current scale ``fmax / max|x|`` (margin 0, not a power of two;
+            1 for an amax of 0 or inf) instead of ``scale``, decided on the device
+            (``DelayedScaling(first_step_scaling="current")``); ``scale_inv`` is that of the
+            scale used. None: always ``scale``.
+        backend: None (automatic) or one of :data:`BACKENDS`.
+
+    Returns:
+        :class:`CastResult` ``(data, data_t, amax, scale_inv, dbias)``.
+
+    Cost: CUDA (Triton) 1 kernel (+1 amax pass with ``first_step_current``, +1 reduction with
+    ``dbias``, +1 fill when ``amax_out`` is None), no host synchronisation; CPU one native call
+    and 2-5 ``aten::empty`` (data, data_t, amax, scale_inv, dbias), no other aten op for a
+    contiguous ``x``.
+    """
+    spec = cast_spec(fp8_dtype, x)
+    _check_one("scale", scale, _F32, x)
+    if transpose:
+        _check_2d(x, "transpose=True")
+    if dbias:
+        _check_2d(x, "dbias=True")
+    if amax_out is not None:
+        _check_one("amax_out", amax_out, _F32, x)
+    if first_step_current is not None:
+        _check_one("first_step_current", first_step_current, _I64, x)
+    if x.numel() == 0:
+        backend = "reference"
+    return _call(x, backend, "cast", x, scale, spec, transpose, amax_out, dbias, first_step_current)  # type: ignore[return-value]
+
+
+def cast_fp8_current(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype | FP8Format,
+    *,
+    power_2_scale: bool = False,
+    transpose: bool = False,
+    dbias: bool = False,
+    backend: str | None = None,
+) -> CastResult:
+    """Current scaling: cast ``x`` with ``scale = fmax / max|x|`` computed on the device.
+
+    The scale rule is the delayed-scaling one with margin 0 (``compute_scale``): an amax of 0
+    or inf gives scale 1, an overflowing ratio FLT_MAX, ``power_2_scale`` rounds down to a power
+    of two. Results equal ``fp8kit.torch.quantization.quantize_current`` bit for bit.
+
+    Args:
+        x: float32 / bfloat16 / float16 tensor (2-D for ``transpose`` / ``dbias``).
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        power_2_scale: round the scale down to a power of two.
+        transpose, dbias, backend: as in :func:`cast_fp8`.
+
+    Returns:
+        :class:`CastResult`; ``amax`` is ``max|x|`` (NaN ignored), ``scale_inv`` ``1 / scale``.
+
+    Cost: CUDA 2 kernels (amax partials, then the cast, whose programs each reduce the partials
+    and compute the scale; +1 with ``dbias``), no host synchronisation; CPU one native call
+    (amax pass + cast) and 3-5 ``aten::empty``.
+    """
+    spec = cast_spec(fp8_dtype, x)
+    if not isinstance(power_2_scale, bool):
+        raise TypeError(f"power_2_scale must be a bool, got {power_2_scale!r}")
+    if transpose:
+        _check_2d(x, "transpose=True")
+    if dbias:
+        _check_2d(x, "dbias=True")
+    if x.numel() == 0:
+        backend = "reference"
+    return _call(x, backend, "cast_current", x, spec, power_2_scale, transpose, dbias)  # type: ignore[return-value]
+
+
+def compute_amax(
+    x: torch.Tensor, *, amax_out: torch.Tensor | None = None, backend: str | None = None
+) -> torch.Tensor | None:
+    """``max |x|`` with NaN ignored (0 for an empty or all-NaN ``x``), in one read.
+
+    Args:
+        x: float32 / bfloat16 / float16 tensor, any shape.
+        amax_out: as in :func:`cast_fp8`: fold the amax into it in place and return None.
+        backend: None (automatic) or one of :data:`BACKENDS`.
+
+    Returns:
+        A float32 0-d tensor, or None with ``amax_out``. CUDA: 1 kernel (+1 fill without
+        ``amax_out``); CPU: one native call.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"x must be a float32, bfloat16 or float16 tensor, got {_describe(x)}")
+    if amax_out is not None:
+        _check_one("amax_out", amax_out, _F32, x)
+    if x.numel() == 0:
+        backend = "reference"
+    return _call(x, backend, "amax", x, amax_out)  # type: ignore[return-value]
+
+
+def delayed_update_(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    count: torch.Tensor,
+    *,
+    fmax: float,
+    margin: float = 0,
+    interval: int = 1,
+    algo: str = "max",
+    power_2_scale: bool = False,
+    ran: torch.Tensor | None = None,
+    staging: torch.Tensor | None = None,
+    nonfinite_count: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> None:
+    """One delayed-scaling update event (SPEC section 3) for every column, in place.
+
+    Column ``j``'s event value is ``r = staging[j]`` (``history[0, j]`` when ``staging`` is
+    None), or 0 where ``ran[j]`` is False. Where ``r == 0`` the column is skipped: nothing of it
+    changes (its ``history[0, j]`` keeps any staging value). Elsewhere: window amax (``"max"``:
+    max of ``history[1:, j]`` and ``r``; ``"most_recent"``: ``r``), history becomes
+    ``[0, H2, ..., H(L-1), r]`` (``[0]`` when ``L == 1``), ``count += 1``, and on events
+    ``1, 1 + interval, ...`` (``(count - 1) % interval == 0``) a new scale by the rule of
+    ``compute_scale``: ``float32(fmax * 2**-margin) / amax`` (inf -> FLT_MAX), or the power of
+    two ``2**(floor(log2(fmax / amax)) - margin)``, the old scale where the amax is 0 or not
+    finite. Then ``scale_inv = 1 / scale`` (correctly rounded) for every column, and
+    ``nonfinite_count[j] += 1`` where ``r`` is +inf.
+
+    Args:
+        history: float32 ``(L, N)`` contiguous; row 0 is the staging row.
+        scale, scale_inv: float32 ``(N,)`` contiguous.
+        count: int64 ``(N,)`` contiguous, the non-skipped events so far.
+        fmax: the format's largest value (448.0 or 57344.0).
+        margin, interval, power_2_scale: the recipe's.
+        algo: ``"max"`` or ``"most_recent"`` (callables run in torch, outside the kernels).
+        ran: optional bool ``(N,)``: False columns are treated as not run (skipped).
+        staging: optional float32 ``(N,)``: the event's values (e.g. after an all-reduce)
+            instead of ``history[0]``; rolled columns still get ``history[0] = 0``.
+        nonfinite_count: optional int64 ``(N,)`` counter of +inf events.
+        backend: None (automatic) or one of :data:`BACKENDS`.
+
+    Cost: CUDA 1 kernel; CPU 1 native call (no aten op); no host synchronisation.
+    """
+    config = update_config(fmax, margin, interval, algo, power_2_scale)
+    _check_update(history, scale, scale_inv, count, ran, staging, nonfinite_count)
+    _call(
+        history,
+        backend,
+        "delayed_update",
+        history,
+        scale,
+        scale_inv,
+        count,
+        config,
+        ran,
+        staging,
+        nonfinite_count,
+    )
+
+
+def _check_update(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    count: torch.Tensor,
+    ran: torch.Tensor | None,
+    staging: torch.Tensor | None,
+    nonfinite_count: torch.Tensor | None,
+) -> None:
+    if not (
+        isinstance(history, torch.Tensor)
+        and history.dtype is _F32
+        and history.dim() == 2
+        and history.shape[0] >= 1
+        and history.is_contiguous()
+    ):
+        raise TypeError(
+            f"history must be a contiguous float32 (L, N) tensor with L >= 1, got "
+            f"{_describe(history)}"
+        )
+    n = history.shape[1]
+    columns = (
+        ("scale", scale, _F32),
+        ("scale_inv", scale_inv, _F32),
+        ("count", count, _I64),
+        ("ran", ran, torch.bool),
+        ("staging", staging, _F32),
+        ("nonfinite_count", nonfinite_count, _I64),
+    )
+    for name, t, dtype in columns:
+        if t is None and name in ("ran", "staging", "nonfinite_count"):
+            continue
+        if not (
+            isinstance(t, torch.Tensor)
+            and t.dtype is dtype
+            and t.shape == (n,)
+            and t.is_contiguous()
+            and t.is_cuda is history.is_cuda
+            and t.get_device() == history.get_device()
+        ):
+            raise TypeError(
+                f"{name} must be a contiguous {dtype} tensor of shape ({n},) on history's "
+                f"device ({history.device}), got {_describe(t)}"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# The older entry points, kept for fp8kit.torch.quantization (cast_to_fp8, quantize_with_scale)
+
+
+def try_triton_cast(
+    x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Cast a CUDA tensor with the Triton kernel (data laid out like ``torch.empty_like(x)``);
+    None when triton is missing or failed before (one warning at the first failure)."""
+    triton_backend = _load_triton()
+    if triton_backend is None:
+        return None
+    try:
+        return triton_backend.triton_cast(x, scale, fmt)
+    except Exception as exc:  # compile / launch failure: use the torch path from now on
+        _triton_failed(exc)
+        return None
+
+
+def cast_to_fp8_transpose(
+    x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D tensor and also produce its transpose, in one read when a kernel exists.
+
+    Args:
+        x: float32 / bfloat16 / float16 tensor of shape ``(M, N)`` (other dtypes: the torch
+            reference).
+        scale: float32 tensor with one element on ``x``'s device.
+        fmt: target format.
+
+    Returns:
+        ``(data, data_t, amax)``: FP8 ``(M, N)`` and ``(N, M)`` row-major tensors with
+        ``data_t == data.t()``, and the float32 0-d ``max |x|`` (NaN ignored), all equal to
+        ``cast_to_fp8_reference`` bit for bit.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a 2-D tensor, got {shape}")
+    if x.dtype in INPUT_DTYPES and _scale_ok(x, scale) and not torch.compiler.is_compiling():
+        if x.is_cpu and load_native() is not None:
+            return native_cast_transpose(x, scale, fmt)
+        if x.is_cuda:
+            triton_backend = _load_triton()
+            if triton_backend is not None:
+                try:
+                    return triton_backend.triton_cast_transpose(x, scale, fmt)
+                except Exception as exc:
+                    _triton_failed(exc)
+    data, amax = reference.cast_to_fp8_reference(x, scale, fmt)
+    return data.contiguous(), data.t().contiguous(), amax
+
+
+def _scale_ok(x: torch.Tensor, scale: torch.Tensor) -> bool:
+    return (
+        isinstance(scale, torch.Tensor)
+        and scale.dtype == torch.float32
+        and scale.numel() == 1
+        and scale.device == x.device
+    )
+
+
+def dequantize_fp8(
+    data: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``data.to(torch.float32) * scale`` (or the exact ``data.to(torch.float32)`` when ``scale``
+    is None), cast to ``dtype``: the native kernel where it applies, torch otherwise.
+
+    The kernel runs for CPU ``float8_e4m3fn`` / ``float8_e5m2`` data with no scale or a float32
+    CPU scale of one element and at most ``data.dim()`` dimensions (so the result has
+    ``data.shape``) that needs no autograd, outside ``torch.compile`` tracing. Either way the
+    values are the same bit for bit (NaN stays NaN): one float32 multiply; a bfloat16 ``dtype``
+    rounds the float32 result to nearest even (the kernel writes it directly), a float16 one is
+    torch's cast of the kernel's float32 result.
+
+    Args:
+        data: FP8 tensor, any shape and strides.
+        scale: None, or the float32 factor (``scale_inv``), a tensor with one element.
+        dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
+
+    Returns:
+        Tensor of ``dtype`` and ``data``'s shape, laid out as torch's elementwise result.
+    """
+    if _dequant_native_ok(data, scale, dtype):
+        if dtype == torch.float16:
+            return native_dequantize(data, scale).to(torch.float16)
+        return native_dequantize(data, scale, dtype)
+    out = data.to(torch.float32)
+    if scale is not None:
+        out = out * scale
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _dequant_native_ok(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    if not (
+        isinstance(data, torch.Tensor)
+        and data.device.type == "cpu"
+        and data.dtype in _FP8_DTYPES
+        and dtype in INPUT_DTYPES
+    ):
+        return False
+    if scale is not None and not (
+        _scale_ok(data, scale)
+        and scale.dim() <= data.dim()  # broadcasting keeps data's shape
+        and not (scale.requires_grad and torch.is_grad_enabled())  # torch's result has a grad_fn
+    ):
+        return False
+    return not torch.compiler.is_compiling() and load_native() is not None

@@ -1,0 +1,151 @@
+"""The CPU backend: every kernel is one call into the native library (``fp8_cast.cpp``).
+
+A ctypes call runs no aten operator, so a cast costs only the ``torch.empty`` allocations of its
+outputs in aten ops (see :func:`fp8kit.torch.kernels.cast_fp8` for the count). The library is
+built and loaded by :mod:`._native`; the functions here assume it loaded and that
+:mod:`.dispatch` checked the arguments (CPU tensors, dtypes, shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8kit.torch.kernels._common import CastResult, CastSpec, UpdateConfig
+from fp8kit.torch.kernels._native import ISA_AUTO, _raise_status, load_native
+
+__all__ = ["amax", "cast", "cast_current", "delayed_update"]
+
+_F32 = torch.float32
+_IN_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_MODE_GIVEN, _MODE_CURRENT, _MODE_FIRST_STEP = 0, 1, 2
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as row-major memory the kernel can walk (a copy only when it is not already)."""
+    if x.is_neg():  # a lazily negated view: materialise the negation
+        x = x.resolve_neg()
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _run(
+    x: torch.Tensor,
+    spec: CastSpec,
+    mode: int,
+    scale: torch.Tensor | None,
+    count: torch.Tensor | None,
+    config: UpdateConfig,
+    transpose: bool,
+    amax_out: torch.Tensor | None,
+    dbias: bool,
+) -> CastResult:
+    lib = load_native()
+    x = _dense(x)
+    if transpose or dbias:
+        m, n = x.shape
+    else:
+        m, n = 1, x.numel()
+    data = torch.empty(x.shape, dtype=spec.fp8_dtype)
+    data_t = torch.empty((n, m), dtype=spec.fp8_dtype) if transpose else None
+    amax_res = torch.empty((), dtype=_F32) if amax_out is None else None
+    scale_inv = torch.empty((), dtype=_F32)
+    bias = torch.empty((n,), dtype=x.dtype) if dbias else None
+    status = lib.cast_fused(
+        x.data_ptr(),
+        spec.in_id,
+        m,
+        n,
+        spec.fmt_id,
+        ISA_AUTO,
+        mode,
+        None if scale is None else scale.data_ptr(),
+        None if count is None else count.data_ptr(),
+        config.numerator,
+        config.power_2_scale,
+        config.fmax_exp,
+        config.fmax_mant,
+        data.data_ptr(),
+        None if data_t is None else data_t.data_ptr(),
+        None if amax_out is None else amax_out.data_ptr(),
+        None if amax_res is None else amax_res.data_ptr(),
+        scale_inv.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+    )
+    if status:
+        _raise_status(status, "fp8kit native cast")
+    return CastResult(data, data_t, amax_res, scale_inv, bias)
+
+
+def cast(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    spec: CastSpec,
+    transpose: bool,
+    amax_out: torch.Tensor | None,
+    dbias: bool,
+    first_step_count: torch.Tensor | None,
+) -> CastResult:
+    """:func:`fp8kit.torch.kernels.cast_fp8` in one native call."""
+    mode = _MODE_GIVEN if first_step_count is None else _MODE_FIRST_STEP
+    config = spec.current_rules[False]
+    return _run(x, spec, mode, scale, first_step_count, config, transpose, amax_out, dbias)
+
+
+def cast_current(
+    x: torch.Tensor, spec: CastSpec, power_2_scale: bool, transpose: bool, dbias: bool
+) -> CastResult:
+    """:func:`fp8kit.torch.kernels.cast_fp8_current` in one native call (amax pass + cast)."""
+    config = spec.current_rules[power_2_scale]
+    return _run(x, spec, _MODE_CURRENT, None, None, config, transpose, None, dbias)
+
+
+def amax(x: torch.Tensor, amax_out: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`fp8kit.torch.kernels.compute_amax` in one native call."""
+    lib = load_native()
+    x = _dense(x)
+    out = torch.empty((), dtype=_F32) if amax_out is None else None
+    status = lib.amax_fused(
+        x.data_ptr(),
+        _IN_IDS[x.dtype],
+        x.numel(),
+        ISA_AUTO,
+        None if amax_out is None else amax_out.data_ptr(),
+        None if out is None else out.data_ptr(),
+    )
+    if status:
+        _raise_status(status, "fp8kit native amax")
+    return out
+
+
+def delayed_update(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    count: torch.Tensor,
+    config: UpdateConfig,
+    ran: torch.Tensor | None,
+    staging: torch.Tensor | None,
+    nonfinite_count: torch.Tensor | None,
+) -> None:
+    """:func:`fp8kit.torch.kernels.delayed_update_` in one native call (in place)."""
+    lib = load_native()
+    length, n = history.shape
+    status = lib.delayed_update(
+        history.data_ptr(),
+        length,
+        n,
+        scale.data_ptr(),
+        scale_inv.data_ptr(),
+        count.data_ptr(),
+        None if ran is None else ran.data_ptr(),
+        None if staging is None else staging.data_ptr(),
+        None if nonfinite_count is None else nonfinite_count.data_ptr(),
+        config.algo_id,
+        config.interval,
+        config.numerator,
+        config.power_2_scale,
+        config.fmax_exp,
+        config.fmax_mant,
+        config.margin_int,
+    )
+    if status:
+        _raise_status(status, "fp8kit native delayed_update_")
