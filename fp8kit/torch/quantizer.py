@@ -16,8 +16,8 @@ import torch
 from fp8kit.formats import FP8Format
 from fp8kit.recipe import DelayedScaling, Recipe
 from fp8kit.slots import FwdSlot, fwd_slot
-from fp8kit.torch._cast_shim import cast_fp8, cast_fp8_current
 from fp8kit.torch.autocast import register_forward_state, schedule_backward_update
+from fp8kit.torch.kernels import cast_fp8, cast_fp8_current
 from fp8kit.torch.quantization import Float8Tensor, nan_ignoring_amax, torch_dtype_of
 from fp8kit.torch.state import FP8Meta, ScalingState
 

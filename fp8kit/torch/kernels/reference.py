@@ -118,7 +118,7 @@ def roll_history(history: torch.Tensor, current: torch.Tensor, run: torch.Tensor
     """
     rolled = torch.roll(history, shifts=-1, dims=0)
     rolled[-1] = current
-    rolled[0] = 0.0
+    rolled[0].zero_()  # not "= 0.0": that builds a tensor from host data on every call
     return torch.where(run, rolled, history)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from fp8kit.recipe import DelayedScaling
 from fp8kit.slots import BwdSlot, FwdSlot
-from fp8kit.torch._cast_shim import delayed_update_
+from fp8kit.torch.kernels import delayed_update_
 from fp8kit.torch.scaling import update_scaling_state
 from fp8kit.torch.state.buffers import ScalingState
 from fp8kit.torch.state.pool import StatePool
