@@ -57,27 +57,34 @@ def gemm_dtype(compute_dtype: Any) -> np.dtype:
 def pad_contraction(
     a: jax.Array, b: jax.Array, contracting: tuple[tuple[int, ...], tuple[int, ...]]
 ) -> tuple[jax.Array, jax.Array]:
-    """Zero-pad the last contracted axis of ``a`` and ``b`` so the contraction length (the
-    product of the contracted sizes) is a multiple of :data:`GEMM_ALIGNMENT`.
+    """Zero-pad one contracted axis of ``a`` and the matching axis of ``b`` so the contraction
+    length (the product of the contracted sizes) is a multiple of :data:`GEMM_ALIGNMENT`.
 
-    Exact: the padded positions hold FP8 zeros in both operands and add nothing to any sum.
-    Returns the operands unchanged when no padding is needed (the usual case).
+    Of the contracted axes, the one giving the shortest padded contraction is padded (the last
+    on a tie). Exact: the padded positions hold FP8 zeros and add nothing to any sum. Returns
+    the operands unchanged when the contraction is already aligned (the usual case).
     """
     a_axes, b_axes = contracting
-    if not a_axes:
-        return a, b
     sizes = [a.shape[d] for d in a_axes]
-    if math.prod(sizes) % GEMM_ALIGNMENT == 0:
+    total = math.prod(sizes)
+    if total % GEMM_ALIGNMENT == 0:
         return a, b
-    step = GEMM_ALIGNMENT // math.gcd(GEMM_ALIGNMENT, math.prod(sizes[:-1]))
-    extra = -sizes[-1] % step
+    best: tuple[int, int, int] | None = None  # (padded length, position in a_axes, new size)
+    for i, size in enumerate(sizes):
+        others = total // size
+        step = GEMM_ALIGNMENT // math.gcd(GEMM_ALIGNMENT, others)
+        new = -(-size // step) * step
+        if best is None or others * new <= best[0]:
+            best = (others * new, i, new)
+    assert best is not None
+    _, i, new = best
 
     def pad(x: jax.Array, axis: int) -> jax.Array:
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, extra)
-        return jnp.pad(x, widths)
+        widths = [(0, 0, 0)] * x.ndim
+        widths[axis] = (0, new - x.shape[axis], 0)
+        return lax.pad(x, jnp.zeros((), x.dtype), widths)
 
-    return pad(a, a_axes[-1]), pad(b, b_axes[-1])
+    return pad(a, a_axes[i]), pad(b, b_axes[i])
 
 
 def _fp8_operand(x: Any, name: str) -> jax.Array:
