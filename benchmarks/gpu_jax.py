@@ -1,7 +1,7 @@
 """JAX on a CUDA GPU: bf16 Flax vs Flax FP8 (``Fp8DirectDotGeneralOp``) vs fp8kit.jax.
 
-Two jitted bf16 train steps (forward, backward, SGD update; FP8 state updated too), each with
-three kinds of dense layer:
+Two jitted bf16 train steps (forward, backward including the input gradient, SGD update; FP8
+state updated too), each with three kinds of dense layer:
 
 * ``mlp``: 16384 tokens x 4096 -> 4096 -> 4096 (two layers, GELU between): 6 GEMMs.
 * ``transformer``: 12 pre-LN transformer blocks, width 2048, 16 heads, MLP 8192, batch 8 x 1024
@@ -130,9 +130,10 @@ class Transformer(nn.Module):
 
 
 def make_step(model: nn.Module, variant: str) -> Callable[..., Any]:
-    """The jitted train step ``(variables, x, target) -> (variables, loss)``: MSE loss in
-    float32, SGD on the parameters, and each variant's FP8 state update (fp8kit: its
-    observations through ``f8.update``; Flax: the overwrite-with-gradient collection)."""
+    """The jitted train step ``(variables, x, target) -> (variables, loss, dx)``: MSE loss in
+    float32, SGD on the parameters, each variant's FP8 state update (fp8kit: its observations
+    through ``f8.update``; Flax: the overwrite-with-gradient collection), and the gradient of
+    the input, as for layers inside a larger model (so every layer runs fprop, dgrad, wgrad)."""
 
     def loss_fn(variables: Any, x: jax.Array, target: jax.Array) -> jax.Array:
         y = model.apply(variables, x)
@@ -141,16 +142,17 @@ def make_step(model: nn.Module, variant: str) -> Callable[..., Any]:
     def sgd(params: Any, grads: Any) -> Any:
         return jax.tree.map(lambda p, g: p - LEARNING_RATE * g.astype(p.dtype), params, grads)
 
-    def step(variables: Any, x: jax.Array, target: jax.Array) -> tuple[Any, jax.Array]:
+    def step(variables: Any, x: jax.Array, target: jax.Array) -> tuple[Any, jax.Array, Any]:
         if variant == "fp8kit":
-            loss, grads, obs = f8.value_and_grad(loss_fn)(variables, x, target)
+            grad_fn = f8.value_and_grad(loss_fn, argnums=(0, 1))
+            loss, (grads, dx), (obs, _) = grad_fn(variables, x, target)
             new = {**variables, "params": sgd(variables["params"], grads["params"])}
-            return f8.update(new, obs), loss
-        loss, grads = jax.value_and_grad(loss_fn)(variables, x, target)
+            return f8.update(new, obs), loss, dx
+        loss, (grads, dx) = jax.value_and_grad(loss_fn, argnums=(0, 1))(variables, x, target)
         new = {**variables, "params": sgd(variables["params"], grads["params"])}
         if OVERWRITE_WITH_GRADIENT is not None and OVERWRITE_WITH_GRADIENT in variables:
             new[OVERWRITE_WITH_GRADIENT] = grads[OVERWRITE_WITH_GRADIENT]
-        return new, loss
+        return new, loss, dx
 
     return jax.jit(step, donate_argnums=0)
 
@@ -189,13 +191,13 @@ def run_variant(
     compiled = step.lower(variables, x, target).compile()
     gemms = count_gemms(compiled.as_text())
     for _ in range(warmup):
-        variables, loss = compiled(variables, x, target)
-    jax.block_until_ready(loss)
+        variables, loss, dx = compiled(variables, x, target)
+    jax.block_until_ready((variables, loss, dx))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        variables, loss = compiled(variables, x, target)
-        jax.block_until_ready((variables, loss))
+        variables, loss, dx = compiled(variables, x, target)
+        jax.block_until_ready((variables, loss, dx))
         times.append(time.perf_counter() - start)
     return {
         "status": "ok",
