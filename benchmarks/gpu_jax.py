@@ -244,8 +244,8 @@ def cuda_backend_problem() -> str | None:
     except RuntimeError:
         return f"no GPU JAX backend here (JAX backend: {jax.default_backend()})"
     version = str(getattr(devices[0].client, "platform_version", ""))
-    if "cuda" not in version.lower():
-        return f"the JAX GPU backend is not CUDA ({version or 'unknown platform'})"
+    if "rocm" in version.lower():  # cuBLASLt FP8 GEMMs are CUDA's; ROCm has hipBLASLt ones
+        return f"the JAX GPU backend is ROCm ({version}), not CUDA"
     return None
 
 
