@@ -2,8 +2,8 @@
 
 :func:`scaled_dot_general` multiplies two FP8 arrays with ``lax.dot_general`` (FP8 operands,
 float32 accumulation, the result written in the requested dtype) and applies the product of the
-two ``scale_inv`` factors as one scalar multiply of the result. XLA's GPU GEMM rewriter turns
-exactly this into one ``__cublas$lt$matmul$f8`` call with the factor folded into the GEMM
+two ``scale_inv`` factors as one scalar multiply of the result: the form XLA's GPU GEMM rewriter
+turns into one ``__cublas$lt$matmul$f8`` call with the factor folded into the GEMM
 (``docs/decisions/0110-jax-fp8-gemm-lowering.md``); on a CPU XLA converts the FP8 operands to
 float32 (every FP8 value and every product of two is exact there) and runs a float32 GEMM.
 
