@@ -1,12 +1,14 @@
 """The FP8 ``dot_general`` with a custom VJP that *observes* amaxes (SPEC sections 2-4).
 
 Forward: the lhs (INPUT slot) and rhs (WEIGHT slot) are quantized into the recipe's forward format
-(E4M3 under HYBRID) with the meta's delayed scales, and multiplied as dequantized float32 operands
-(``convert(q) * scale_inv``, the pattern of seed 001 that XLA rewrites into an FP8 GEMM on GPUs;
-elsewhere a float32 dot at full precision on those operands). Backward: the output gradient
-(GRAD_OUTPUT slot) is quantized into the backward format (E5M2 under HYBRID) and both gradient
-GEMMs use FP8 operands.
-``override_linear_precision`` switches any of the three GEMMs to high precision.
+(E4M3 under HYBRID) with the meta's delayed scales and multiplied by
+:func:`fp8kit.jax.gemm.scaled_dot_general`: a ``dot_general`` on the FP8 arrays whose result is
+written in the compute dtype and multiplied by the two ``scale_inv`` factors, the form XLA runs as
+one cuBLASLt FP8 GEMM on GPUs (docs/jax.md, "Lowering"). Backward: the output gradient
+(GRAD_OUTPUT slot) is quantized into the backward format (E5M2 under HYBRID); dgrad (dY x W) and
+wgrad (x x dY) are FP8 GEMMs on the saved FP8 copies, expressed through dimension numbers (no
+transposed copies). ``override_linear_precision`` switches any of the three GEMMs to high
+precision (float32 accumulation and result).
 
 How amaxes get out without the optimizer: the op takes the module's :class:`Fp8Meta` and returns
 it unchanged (an identity), and its backward rule returns, as the *cotangent of the meta*, the
@@ -42,7 +44,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from fp8kit.formats import FP8Format
+from fp8kit.formats import E5M2, FP8Format
+from fp8kit.jax.gemm import gemm_dtype, scaled_dot_general
 from fp8kit.jax.meta import BwdSlot, Fp8Meta, FwdSlot, ScalingState, bwd_slot, fwd_slot
 from fp8kit.jax.quantization import (
     cast_to_fp8,
@@ -106,17 +109,22 @@ def _dequant(data: jax.Array, scale_inv: jax.Array) -> jax.Array:
     return data.astype(jnp.float32) * scale_inv
 
 
-def _precision(cfg: _Config, fp8: bool) -> Any:
-    """FP8 operands are multiplied at full float32 precision (no bf16 / TF32 passes)."""
-    return lax.Precision.HIGHEST if fp8 else cfg.precision
+# An operand of a GEMM: FP8 data with its scale_inv, or a high-precision array.
+Operand = tuple[jax.Array, jax.Array] | jax.Array
 
 
-def _dot(a: jax.Array, b: jax.Array, cfg: _Config, fp8: bool) -> jax.Array:
+def _gemm(a: Operand, b: Operand, dims: DimensionNumbers, cfg: _Config, out_dtype: Any) -> Any:
+    """One of the three GEMMs. FP8 operands (tuples): an FP8 GEMM whose result has the GEMM
+    dtype of ``out_dtype`` (:func:`fp8kit.jax.gemm.gemm_dtype`). High-precision operands: a
+    float32 GEMM at the layer's ``precision`` with a float32 result."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return scaled_dot_general(a[0], a[1], b[0], b[1], dims, gemm_dtype(out_dtype))
+    assert not isinstance(a, tuple) and not isinstance(b, tuple)
     return lax.dot_general(
         a,
         b,
-        cfg.dimension_numbers,
-        precision=_precision(cfg, fp8),
+        dims,
+        precision=cfg.precision,
         preferred_element_type=jnp.float32,
     )
 
@@ -171,48 +179,46 @@ def _free(ndim: int, *used: tuple[int, ...]) -> list[int]:
     return [d for d in range(ndim) if d not in taken]
 
 
-def _dgrad(dy: jax.Array, w: jax.Array, cfg: _Config, fp8: bool) -> jax.Array:
-    """d(lhs) of ``y = dot_general(lhs, w)``: contract ``dy`` with ``w`` over w's free axes."""
+def _permute(x: jax.Array, permutation: tuple[int, ...]) -> jax.Array:
+    return x if permutation == tuple(range(x.ndim)) else lax.transpose(x, permutation)
+
+
+def _dgrad(dy: Operand, w: Operand, cfg: _Config) -> jax.Array:
+    """d(lhs) of ``y = dot_general(lhs, w)``: contract ``dy`` with ``w`` over w's free axes.
+
+    Returns the GEMM result (GEMM dtype of the lhs dtype) laid out like the lhs."""
     (lc, rc), (lb, rb) = cfg.dimension_numbers
     nx, nw, nb = len(cfg.lhs_shape), len(cfg.rhs_shape), len(lb)
     x_free = _free(nx, lc, lb)
     w_free = _free(nw, rc, rb)
     y_wfree = tuple(range(nb + len(x_free), nb + len(x_free) + len(w_free)))
-    res = lax.dot_general(
-        dy,
-        w,
-        ((y_wfree, tuple(w_free)), (tuple(range(nb)), rb)),
-        precision=_precision(cfg, fp8),
-        preferred_element_type=jnp.float32,
-    )
+    dims = ((y_wfree, tuple(w_free)), (tuple(range(nb)), rb))
+    res = _gemm(dy, w, dims, cfg, cfg.lhs_dtype)
     # res axes: batch, then lhs free axes, then lhs contracted axes ordered like sorted(rc).
     order = sorted(rc)
     position = {d: k for k, d in enumerate(lb)}
     position.update({d: nb + m for m, d in enumerate(x_free)})
     position.update({d: nb + len(x_free) + order.index(r) for d, r in zip(lc, rc, strict=True)})
-    return lax.transpose(res, tuple(position[d] for d in range(nx)))
+    return _permute(res, tuple(position[d] for d in range(nx)))
 
 
-def _wgrad(x: jax.Array, dy: jax.Array, cfg: _Config, fp8: bool) -> jax.Array:
-    """d(rhs) of ``y = dot_general(x, rhs)``: contract ``x`` with ``dy`` over x's free axes."""
+def _wgrad(x: Operand, dy: Operand, cfg: _Config) -> jax.Array:
+    """d(rhs) of ``y = dot_general(x, rhs)``: contract ``x`` with ``dy`` over x's free axes.
+
+    Returns the GEMM result (GEMM dtype of the rhs dtype) laid out like the rhs."""
     (lc, rc), (lb, rb) = cfg.dimension_numbers
     nx, nw, nb = len(cfg.lhs_shape), len(cfg.rhs_shape), len(lb)
     x_free = _free(nx, lc, lb)
     w_free = _free(nw, rc, rb)
     y_xfree = tuple(range(nb, nb + len(x_free)))
-    res = lax.dot_general(
-        x,
-        dy,
-        ((tuple(x_free), y_xfree), (lb, tuple(range(nb)))),
-        precision=_precision(cfg, fp8),
-        preferred_element_type=jnp.float32,
-    )
+    dims = ((tuple(x_free), y_xfree), (lb, tuple(range(nb))))
+    res = _gemm(x, dy, dims, cfg, cfg.rhs_dtype)
     # res axes: batch, then rhs contracted axes ordered like sorted(lc), then rhs free axes.
     order = sorted(lc)
     position = {d: k for k, d in enumerate(rb)}
     position.update({r: nb + order.index(d) for d, r in zip(lc, rc, strict=True)})
     position.update({d: nb + len(lc) + m for m, d in enumerate(w_free)})
-    return lax.transpose(res, tuple(position[d] for d in range(nw)))
+    return _permute(res, tuple(position[d] for d in range(nw)))
 
 
 def _psum_to(ct: jax.Array, primal_vma: frozenset[str]) -> jax.Array:
@@ -233,6 +239,20 @@ def _check_meta(meta: Fp8Meta, gemm: int) -> None:
         )
     if not 0 <= gemm < meta.num_gemms:
         raise ValueError(f"gemm must be in [0, {meta.num_gemms}) for this meta, got {gemm}")
+    recipe = meta.recipe
+    fwd, bwd = recipe.fp8_format.forward, recipe.fp8_format.backward
+    operands = {"fprop": (fwd, fwd), "dgrad": (bwd, fwd), "wgrad": (fwd, bwd)}
+    both_e5m2 = [
+        name
+        for (name, pair), fp8 in zip(operands.items(), _flags(recipe), strict=True)
+        if fp8 and pair == (E5M2, E5M2)
+    ]
+    if both_e5m2:
+        raise ValueError(
+            f"recipe fp8_format={recipe.fp8_format.name} makes the {'/'.join(both_e5m2)} GEMM "
+            "E5M2 x E5M2, which FP8 GEMMs (cuBLASLt) do not support: use fp8_format HYBRID or "
+            "E4M3, or keep those GEMMs in high precision with override_linear_precision"
+        )
 
 
 # The rules are jitted so that an eager (un-jitted) training step compiles two programs instead of
@@ -262,11 +282,11 @@ def _fp8_dot_fwd(
 
     if fprop_fp8:
         assert x_q is not None and w_q is not None
-        y = _dot(_dequant(x_q[0], x_q[1]), _dequant(w_q[0], w_q[1]), cfg, fp8=True)
+        y = _gemm(x_q[:2], w_q[:2], cfg.dimension_numbers, cfg, cfg.out_dtype)
     else:
-        y = _dot(lhs, rhs, cfg, fp8=False)
+        y = _gemm(lhs, rhs, cfg.dimension_numbers, cfg, cfg.out_dtype)
     if bias is not None:
-        y = y + bias.astype(jnp.float32)
+        y = y + bias.astype(y.dtype)  # in the GEMM's dtype: XLA fuses it into the FP8 GEMM
     y = y.astype(cfg.out_dtype)
     if cfg.fp8_output:
         slot = fwd_slot(g, FwdSlot.OUTPUT)
@@ -293,19 +313,20 @@ def _fp8_dot_bwd(
     obs_bwd = jnp.zeros(bwd_state.scale.shape, jnp.float32)
     dy32 = dy.astype(jnp.float32)
 
-    dy_fp8 = dy32
+    dy_op: Operand = dy32
     if dgrad_fp8 or wgrad_fp8:
         slot = bwd_slot(g, BwdSlot.GRAD_OUTPUT)
         dy_data, dy_inv, dy_amax = _quantize_slot(dy, bwd_state, slot, fmt, recipe)
-        dy_fp8 = _dequant(dy_data, dy_inv)
+        dy_op = (dy_data, dy_inv)
         if dy_amax is not None:
             obs_bwd = obs_bwd.at[slot].set(dy_amax)
 
-    # dgrad and wgrad: the transposes of the forward dot applied to the chosen operands.
-    w_op = _dequant(*w_saved) if isinstance(w_saved, tuple) else w_saved.astype(jnp.float32)
-    x_op = _dequant(*x_saved) if isinstance(x_saved, tuple) else x_saved.astype(jnp.float32)
-    dx = _dgrad(dy_fp8 if dgrad_fp8 else dy32, w_op, cfg, dgrad_fp8).astype(cfg.lhs_dtype)
-    dw = _wgrad(x_op, dy_fp8 if wgrad_fp8 else dy32, cfg, wgrad_fp8).astype(cfg.rhs_dtype)
+    # dgrad and wgrad: the transposes of the forward dot, each an FP8 GEMM where the recipe says
+    # so (the saved operand is then the FP8 copy) and a float32 GEMM otherwise.
+    w_op = w_saved if isinstance(w_saved, tuple) else w_saved.astype(jnp.float32)
+    x_op = x_saved if isinstance(x_saved, tuple) else x_saved.astype(jnp.float32)
+    dx = _dgrad(dy_op if dgrad_fp8 else dy32, w_op, cfg).astype(cfg.lhs_dtype)
+    dw = _wgrad(x_op, dy_op if wgrad_fp8 else dy32, cfg).astype(cfg.rhs_dtype)
     if cfg.fp8_grad:
         slot = bwd_slot(g, BwdSlot.GRAD_INPUT)
         dx_data, dx_inv, dx_amax = _quantize_slot(dx, bwd_state, slot, fmt, recipe)

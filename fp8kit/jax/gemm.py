@@ -1,30 +1,143 @@
-"""Low-level FP8 matmul (SPEC section 7, seed 001): two :class:`Float8Array` in, high precision
-or FP8 out.
+"""FP8 GEMMs in the form XLA's GPU compiler runs as cuBLASLt FP8 GEMMs (docs/jax.md, "Lowering").
 
-The product is computed from dequantized float32 operands (``convert(q) * scale_inv``), the
-pattern XLA rewrites into an FP8 GEMM (with fused bias / ReLU and a fused output amax) on GPUs
-that have one. Every FP8 value and every product of two is exact in float32, so on a CPU this is
-the FP8 GEMM up to the order of the float32 accumulation.
+:func:`scaled_dot_general` multiplies two FP8 arrays with ``lax.dot_general`` (FP8 operands,
+float32 accumulation, the result written in the requested dtype) and applies the product of the
+two ``scale_inv`` factors as one scalar multiply of the result: the form XLA's GPU GEMM rewriter
+turns into one ``__cublas$lt$matmul$f8`` call with the factor folded into the GEMM
+(``docs/decisions/0110-jax-fp8-gemm-lowering.md``); on a CPU XLA converts the FP8 operands to
+float32 (every FP8 value and every product of two is exact there) and runs a float32 GEMM.
+
+:func:`fp8_matmul` is the low-level API of SPEC section 7 (seed 001) on top of it.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from fp8kit.formats import E4M3
+from fp8kit.formats import E4M3, E5M2
 from fp8kit.jax.quantization import (
     Float8Array,
     cast_to_fp8,
-    dequantize,
     fp8_format_of,
 )
 from fp8kit.matmul_args import ACTIVATIONS, check_matmul_args
 
-__all__ = ["ACTIVATIONS", "fp8_matmul"]
+__all__ = [
+    "ACTIVATIONS",
+    "GEMM_ALIGNMENT",
+    "fp8_matmul",
+    "gemm_dtype",
+    "pad_contraction",
+    "scaled_dot_general",
+]
+
+GEMM_ALIGNMENT = 16
+"""cuBLASLt FP8 GEMMs need every dimension a multiple of 16; contractions are padded to it."""
+
+DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], ...]]
+
+
+def gemm_dtype(compute_dtype: Any) -> np.dtype:
+    """The dtype an FP8 GEMM writes for a result wanted in ``compute_dtype``.
+
+    float32 and bfloat16 are written directly. float16 results are written as float32 and
+    converted after the scale is applied: the unscaled sums of FP8 products (up to
+    ``57344 * 448 * K``) overflow float16, and typical scale products underflow it.
+    """
+    dt = np.dtype(compute_dtype)
+    return np.dtype(jnp.float32) if dt == np.dtype(jnp.float16) else dt
+
+
+def pad_contraction(
+    a: jax.Array, b: jax.Array, contracting: tuple[tuple[int, ...], tuple[int, ...]]
+) -> tuple[jax.Array, jax.Array]:
+    """Zero-pad one contracted axis of ``a`` and the matching axis of ``b`` so the contraction
+    length (the product of the contracted sizes) is a multiple of :data:`GEMM_ALIGNMENT`.
+
+    Of the contracted axes, the one giving the shortest padded contraction is padded (the last
+    on a tie). Exact: the padded positions hold FP8 zeros and add nothing to any sum. Returns
+    the operands unchanged when the contraction is already aligned (the usual case).
+    """
+    a_axes, b_axes = contracting
+    sizes = [a.shape[d] for d in a_axes]
+    total = math.prod(sizes)
+    if total % GEMM_ALIGNMENT == 0:
+        return a, b
+    best: tuple[int, int, int] | None = None  # (padded length, position in a_axes, new size)
+    for i, size in enumerate(sizes):
+        others = total // size
+        step = GEMM_ALIGNMENT // math.gcd(GEMM_ALIGNMENT, others)
+        new = -(-size // step) * step
+        if best is None or others * new <= best[0]:
+            best = (others * new, i, new)
+    assert best is not None
+    _, i, new = best
+
+    def pad(x: jax.Array, axis: int) -> jax.Array:
+        widths = [(0, 0, 0)] * x.ndim
+        widths[axis] = (0, new - x.shape[axis], 0)
+        return lax.pad(x, jnp.zeros((), x.dtype), widths)
+
+    return pad(a, a_axes[i]), pad(b, b_axes[i])
+
+
+def _fp8_operand(x: Any, name: str) -> jax.Array:
+    if not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be a JAX array of an FP8 dtype, got {type(x).__name__}")
+    fp8_format_of(x.dtype, f"{name}.dtype")  # raises a TypeError naming the allowed dtypes
+    return x
+
+
+def scaled_dot_general(
+    a: jax.Array,
+    a_scale_inv: jax.Array,
+    b: jax.Array,
+    b_scale_inv: jax.Array,
+    dimension_numbers: DimensionNumbers,
+    out_dtype: Any,
+) -> jax.Array:
+    """``lax.dot_general(a, b) * (a_scale_inv * b_scale_inv)``: one FP8 GEMM.
+
+    Args:
+        a, b: FP8 arrays (``float8_e4m3fn`` / ``float8_e5m2``, not both E5M2: cuBLASLt has no
+            E5M2 x E5M2 GEMM), any shapes ``dimension_numbers`` accepts.
+        a_scale_inv, b_scale_inv: float32 0-d arrays; real value = FP8 value * scale_inv.
+        dimension_numbers: as for ``jax.lax.dot_general``.
+        out_dtype: dtype of the result (use :func:`gemm_dtype` of the compute dtype).
+
+    Returns:
+        The product in ``out_dtype``: products of FP8 values (exact) accumulated in float32
+        (``Precision.HIGHEST``: no reduced-precision "fast accumulation" on GPUs), written in
+        ``out_dtype``, then multiplied by the float32 factor ``a_scale_inv * b_scale_inv``
+        rounded to ``out_dtype``. On GPUs XLA applies the factor inside the GEMM before the
+        single rounding to ``out_dtype``.
+    """
+    a = _fp8_operand(a, "a")
+    b = _fp8_operand(b, "b")
+    if fp8_format_of(a.dtype) is E5M2 and fp8_format_of(b.dtype) is E5M2:
+        raise ValueError(
+            "a and b are both float8_e5m2: FP8 GEMMs take E4M3 x E4M3, E4M3 x E5M2 or "
+            "E5M2 x E4M3 (cuBLASLt has no E5M2 x E5M2 GEMM)"
+        )
+    (lc, rc), batch = dimension_numbers
+    a, b = pad_contraction(a, b, (tuple(lc), tuple(rc)))
+    y = lax.dot_general(
+        a,
+        b,
+        ((tuple(lc), tuple(rc)), batch),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=out_dtype,
+    )
+    factor = jnp.asarray(a_scale_inv, jnp.float32).reshape(()) * jnp.asarray(
+        b_scale_inv, jnp.float32
+    ).reshape(())
+    return y * factor.astype(y.dtype)
 
 
 def _apply_activation(y: jax.Array, activation: str | None) -> jax.Array:
@@ -49,8 +162,12 @@ def fp8_matmul(
 ) -> jax.Array | Float8Array:
     """``activation(a @ b + bias)``, optionally quantized to FP8 with a delayed output scale.
 
+    The GEMM is :func:`scaled_dot_general` with a float32 result (an FP8 GEMM on GPUs); the
+    bias, the activation and an FP8 output's quantization run in float32 after it, as in
+    ``fp8kit.torch.fp8_matmul``.
+
     Args:
-        a: ``(M, K)`` :class:`Float8Array`; b: ``(K, N)`` :class:`Float8Array`.
+        a: ``(M, K)`` :class:`Float8Array`; b: ``(K, N)`` :class:`Float8Array` (not both E5M2).
         out_dtype: dtype of a high-precision result (float32, bfloat16, float16).
         bias: ``(N,)`` vector or ``(M, N)`` matrix, added in float32 after the GEMM.
         activation: None, ``"relu"``, ``"gelu"`` or ``"gelu_tanh"``, applied after the bias.
@@ -68,11 +185,8 @@ def fp8_matmul(
     m, n = check_matmul_args(
         a.shape, b.shape, activation, out_scale is not None, out_fp8_dtype is not None
     )
-    y = lax.dot_general(
-        dequantize(a),
-        dequantize(b),
-        (((1,), (0,)), ((), ())),
-        preferred_element_type=jnp.float32,
+    y = scaled_dot_general(
+        a.data, a.scale_inv, b.data, b.scale_inv, (((1,), (0,)), ((), ())), jnp.float32
     )
     if bias is not None:
         if not hasattr(bias, "shape") or tuple(bias.shape) not in ((n,), (m, n)):

@@ -1,0 +1,126 @@
+"""The FP8 GEMM (fp8kit.jax.gemm): scaled_dot_general against a float64 numpy reference for every
+operand layout the layers use, exact zero padding of unaligned contractions, the dtype rules,
+and refused operands."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8kit.jax as f8
+from fp8kit.jax.gemm import GEMM_ALIGNMENT, gemm_dtype, pad_contraction, scaled_dot_general
+from tests.jax.helpers import bits
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def random_fp8(rng: np.random.Generator, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """Uniformly random FP8 bit patterns (subnormals, +-max included), non-finite ones -> 0."""
+    data = rng.integers(0, 256, shape, dtype=np.uint8).view(np.dtype(dtype))
+    return np.where(np.isfinite(data.astype(np.float32)), data, np.zeros((), dtype))
+
+
+def dot_reference(a: np.ndarray, b: np.ndarray, dims) -> tuple[np.ndarray, np.ndarray]:
+    """float64 ``dot_general`` (and the same over |a|, |b| for error bounds), from numpy."""
+    (lc, rc), (lb, rb) = dims
+    la = [d for d in range(a.ndim) if d not in lc and d not in lb]
+    ra = [d for d in range(b.ndim) if d not in rc and d not in rb]
+    a2 = np.transpose(a.astype(np.float64), [*lb, *la, *lc])
+    b2 = np.transpose(b.astype(np.float64), [*rb, *rc, *ra])
+    nb = int(np.prod([a.shape[d] for d in lb]))
+    k = int(np.prod([a.shape[d] for d in lc]))
+    a3 = a2.reshape(nb, -1, k)
+    b3 = b2.reshape(nb, k, -1)
+    shape = [a.shape[d] for d in lb] + [a.shape[d] for d in la] + [b.shape[d] for d in ra]
+    return (a3 @ b3).reshape(shape), (np.abs(a3) @ np.abs(b3)).reshape(shape)
+
+
+# (lhs shape, rhs shape, dimension numbers, lhs dtype, rhs dtype): fprop, dgrad, wgrad layouts,
+# two contracted axes, a batch axis; every contraction here is unaligned (not a multiple of 16)
+CASES = {
+    "fprop": ((20, 40), (40, 12), (((1,), (0,)), ((), ())), E4M3, E4M3),
+    "dgrad": ((20, 12), (40, 12), (((1,), (1,)), ((), ())), E5M2, E4M3),
+    "wgrad": ((20, 40), (20, 12), (((0,), (0,)), ((), ())), E4M3, E5M2),
+    "two_axes": ((2, 3, 5, 8), (5, 8, 6), (((2, 3), (0, 1)), ((), ())), E4M3, E4M3),
+    "batched": ((2, 12, 40), (2, 40, 24), (((2,), (1,)), ((0,), (0,))), E4M3, E4M3),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_scaled_dot_general_matches_float64(rng, case) -> None:
+    a_shape, b_shape, dims, a_dt, b_dt = CASES[case]
+    a, b = random_fp8(rng, a_shape, a_dt), random_fp8(rng, b_shape, b_dt)
+    sa, sb = np.float32(rng.uniform(1e-3, 1.0)), np.float32(rng.uniform(1e-3, 1.0))
+    exact, bound = dot_reference(a, b, dims)
+    factor = np.float64(np.float32(sa) * np.float32(sb))  # the one float32 product it applies
+    y = np.asarray(scaled_dot_general(a, sa, b, sb, dims, jnp.float32), np.float64)
+    k = int(np.prod([a.shape[d] for d in dims[0][0]]))
+    # float32 accumulation of exact products, then one scaling: within (K + 2) float32 ulps
+    np.testing.assert_array_less(np.abs(y - exact * factor), (k + 2) * 2.0**-24 * bound * factor)
+    assert y.shape == exact.shape
+    # bfloat16 result: the unscaled sum and the factor rounded to bfloat16, then the product
+    yb = scaled_dot_general(a, sa, b, sb, dims, jnp.bfloat16)
+    assert yb.dtype == jnp.bfloat16
+    err = np.abs(np.asarray(yb, np.float64) - exact * factor)
+    np.testing.assert_array_less(err, 3 * 2.0**-8 * bound * factor + 1e-30)
+
+
+def test_padding_is_exact_zeros_and_minimal(rng) -> None:
+    a, b = random_fp8(rng, (3, 5, 8), E4M3), random_fp8(rng, (5, 8, 4), E4M3)
+    pa, pb = pad_contraction(jnp.asarray(a), jnp.asarray(b), ((1, 2), (0, 1)))
+    # 5 x 8 = 40 -> 48: padding the 5 to 6 is shorter than padding the 8 to 16 (80)
+    assert pa.shape == (3, 6, 8) and pb.shape == (6, 8, 4)
+    np.testing.assert_array_equal(bits(pa)[:, :5], bits(a))
+    np.testing.assert_array_equal(bits(pb)[:5], bits(b))
+    assert not bits(pa)[:, 5:].any() and not bits(pb)[5:].any()  # FP8 zero is the zero byte
+    x, w = jnp.asarray(random_fp8(rng, (4, 7), E4M3)), jnp.asarray(random_fp8(rng, (7, 2), E4M3))
+    px, pw = pad_contraction(x, w, ((1,), (0,)))
+    assert px.shape == (4, GEMM_ALIGNMENT) and pw.shape == (GEMM_ALIGNMENT, 2)
+    aligned = jnp.asarray(random_fp8(rng, (4, 32), E4M3))
+    assert pad_contraction(aligned, aligned.T, ((1,), (0,)))[0] is aligned
+
+
+def test_refused_operands() -> None:
+    e5 = jnp.zeros((16, 16), E5M2)
+    with pytest.raises(ValueError, match="E5M2 x E5M2"):
+        scaled_dot_general(e5, 1.0, e5, 1.0, (((1,), (0,)), ((), ())), jnp.float32)
+    with pytest.raises(TypeError, match=r"a\.dtype must be one of"):
+        scaled_dot_general(jnp.zeros((16, 16)), 1.0, e5, 1.0, (((1,), (0,)), ((), ())), "f4")
+    a = f8.quantize(jnp.ones((16, 16)), 1.0, E5M2)
+    with pytest.raises(ValueError, match="E5M2 x E5M2"):
+        f8.fp8_matmul(a, a)
+
+
+def test_gemm_dtype() -> None:
+    assert gemm_dtype(jnp.bfloat16) == jnp.bfloat16 and gemm_dtype(jnp.float32) == jnp.float32
+    assert gemm_dtype(jnp.float16) == jnp.float32  # see the float16 test below
+
+
+def test_float16_layer_does_not_overflow_in_the_gemm() -> None:
+    """Scaled FP8 values (448 = E4M3 max) whose unscaled sum, 448 * 448 * 64 = 1.3e7, is past
+    float16's 65504 while the real result, 1.75 * 1.75 * 64 = 196, is not."""
+    meta = f8.init_meta(1, f8.DelayedScaling(amax_history_len=2))
+    scale = jnp.full((3,), 256.0, jnp.float32)
+    meta = replace(meta, forward=replace(meta.forward, scale=scale))
+    x = jnp.full((16, 64), 1.75, jnp.float16)
+    y = f8.dot_general(x, x.T, (((1,), (0,)), ((), ())), meta)
+    assert y.dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.full((16, 16), 196.0))
+
+
+def test_fp8_matmul_matches_float64_with_bias_and_relu(rng) -> None:
+    a = f8.quantize(jnp.asarray(rng.standard_normal((24, 40)), jnp.float32), 64.0, E4M3)
+    b = f8.quantize(jnp.asarray(rng.standard_normal((40, 8)), jnp.float32), 32.0, E4M3)
+    bias = rng.standard_normal(8).astype(np.float32)
+    y = f8.fp8_matmul(a, b, bias=jnp.asarray(bias), activation="relu", out_dtype=jnp.bfloat16)
+    exact, bound = dot_reference(np.asarray(a.data), np.asarray(b.data), (((1,), (0,)), ((), ())))
+    want = np.maximum(exact / 64 / 32 + bias, 0)
+    assert y.dtype == jnp.bfloat16
+    err = np.abs(np.asarray(y, np.float64) - want)
+    np.testing.assert_array_less(err, 2.0**-8 * (bound / 2048 + np.abs(bias)) + 1e-30)
+    f32 = jax.jit(lambda a, b: f8.fp8_matmul(a, b))(a, b)
+    np.testing.assert_allclose(np.asarray(f32), exact / 2048, rtol=1e-6, atol=1e-6)
