@@ -44,7 +44,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from fp8kit.formats import E5M2, FP8Format
+from fp8kit.formats import FP8Format
 from fp8kit.jax.gemm import gemm_dtype, scaled_dot_general
 from fp8kit.jax.meta import BwdSlot, Fp8Meta, FwdSlot, ScalingState, bwd_slot, fwd_slot
 from fp8kit.jax.quantization import (
@@ -239,20 +239,7 @@ def _check_meta(meta: Fp8Meta, gemm: int) -> None:
         )
     if not 0 <= gemm < meta.num_gemms:
         raise ValueError(f"gemm must be in [0, {meta.num_gemms}) for this meta, got {gemm}")
-    recipe = meta.recipe
-    fwd, bwd = recipe.fp8_format.forward, recipe.fp8_format.backward
-    operands = {"fprop": (fwd, fwd), "dgrad": (bwd, fwd), "wgrad": (fwd, bwd)}
-    both_e5m2 = [
-        name
-        for (name, pair), fp8 in zip(operands.items(), _flags(recipe), strict=True)
-        if fp8 and pair == (E5M2, E5M2)
-    ]
-    if both_e5m2:
-        raise ValueError(
-            f"recipe fp8_format={recipe.fp8_format.name} makes the {'/'.join(both_e5m2)} GEMM "
-            "E5M2 x E5M2, which FP8 GEMMs (cuBLASLt) do not support: use fp8_format HYBRID or "
-            "E4M3, or keep those GEMMs in high precision with override_linear_precision"
-        )
+    # No GEMM is ever E5M2 x E5M2: recipes refuse fp8_format E5M2 (fp8kit.recipe).
 
 
 # The rules are jitted so that an eager (un-jitted) training step compiles two programs instead of

@@ -178,12 +178,7 @@ def test_the_gate_rejects_a_dequantized_float32_gemm() -> None:
 
 
 def test_e5m2_recipe_is_refused_before_it_makes_e5m2_x_e5m2_gemms() -> None:
-    x = jnp.ones((16, 32))
-    layer = Dense(16, recipe=f8.DelayedScaling(fp8_format="E5M2"))
-    with pytest.raises(ValueError, match="E5M2 x E5M2"):
-        layer.init(jax.random.PRNGKey(0), x)
-    # high precision for every GEMM is allowed (nothing is E5M2 x E5M2 then)
-    keep = f8.DelayedScaling(fp8_format="E5M2", override_linear_precision=(True, True, True))
-    layer = Dense(16, recipe=keep)
-    variables = layer.init(jax.random.PRNGKey(0), x)
-    assert dots(jax.jit(layer.apply).lower(variables, x).as_text())[0].out_type == "f32"
+    """Every GEMM of an E5M2 recipe would be E5M2 x E5M2 (no cuBLASLt kernel): the recipe
+    itself is refused, so no layer can lower one."""
+    with pytest.raises(ValueError, match="multiply two E5M2 operands"):
+        f8.DelayedScaling(fp8_format="E5M2")
