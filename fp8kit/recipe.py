@@ -159,7 +159,8 @@ class DelayedScaling(_RecipeBase):
         fast_accumulation: (fprop, dgrad, wgrad); True lets cuBLASLt accumulate that FP8 GEMM in
             its fast mode (Hopper's reduced-precision accumulator), False keeps full float32
             (split) accumulation. Default as Transformer Engine: fast fprop, exact dgrad/wgrad.
-            Performance only: no delayed-scaling number depends on it, and CPU GEMMs ignore it.
+            Performance only: no delayed-scaling number depends on it. CPU GEMMs (exact) and the
+            JAX frontend (full accumulation, XLA decides) ignore it.
         reduce_amax: all-reduce (MAX) the amaxes over the autocast's group before every update.
         power_2_scale: round every new scale down to a power of two.
         first_step_scaling: ``"unity"`` (scale 1 until a slot has history) or ``"current"``
