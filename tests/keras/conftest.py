@@ -8,6 +8,7 @@ configured before TensorFlow initialises its runtime.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -23,10 +24,8 @@ os.environ["KERAS_BACKEND"] = "tensorflow"
 # Triton *after* TensorFlow aborts the process ("Option ... registered more than once"), while
 # the other order works. Load it first so that later torch tests in this process are safe.
 for _name in ("triton", "torch._dynamo"):
-    try:
+    with contextlib.suppress(ImportError):
         __import__(_name)
-    except ImportError:
-        pass
 
 tf = pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
