@@ -87,7 +87,7 @@ class Fp8State:
         n_fwd, n_bwd = 3 * num_gemms, 2 * num_gemms
 
         def var(name: str, shape: tuple[int, ...], init: str) -> Any:
-            return layer.add_weight(
+            v = layer.add_weight(
                 name=name,
                 shape=shape,
                 initializer=init,
@@ -96,6 +96,9 @@ class Fp8State:
                 autocast=False,
                 aggregation="only_first_replica",
             )
+            # also a layer attribute: TensorFlow checkpoints track variables by attribute name
+            setattr(layer, name, v)
+            return v
 
         self.fwd_history = var("fp8_fwd_amax_history", (length, n_fwd), "zeros")
         self.fwd_scale = var("fp8_fwd_scale", (n_fwd,), "ones")

@@ -19,6 +19,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 if "keras" in sys.modules and os.environ.get("KERAS_BACKEND") != "tensorflow":
     pytest.skip("keras was imported earlier with another backend", allow_module_level=True)
 os.environ["KERAS_BACKEND"] = "tensorflow"
+# LLVM optimisation level 0 shortens XLA's CPU compile time (tiny shapes, many programs); IEEE
+# float semantics are the same at every level (tests/jax/conftest.py sets the same flag).
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()
 
 # Triton (imported by torch._dynamo / fp8kit.torch) and TensorFlow each bundle LLVM; loading
 # Triton *after* TensorFlow aborts the process ("Option ... registered more than once"), while
