@@ -22,7 +22,7 @@ from keras import ops
 
 from fp8kit.formats import FP8Format
 from fp8kit.keras.quantization import cast_to_fp8, current_scale, dequantize, nan_ignoring_amax
-from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from fp8kit.recipe import Float8CurrentScaling, Recipe
 from fp8kit.slots import BwdSlot, FwdSlot
 
 __all__ = ["GemmPlan", "Saved", "backward", "forward", "plan_einsum"]
@@ -229,8 +229,3 @@ def backward(
     if plan.flat_rank is not None:
         dx = _unflatten(dx, saved.x_like, plan.flat_rank)
     return ops.cast(dx, x_dtype), ops.cast(dw, w_dtype), ops.stack([dy_amax, zero])
-
-
-def is_delayed(recipe: Recipe) -> bool:
-    """Whether ``recipe`` keeps histories (DelayedScaling) or not (current scaling)."""
-    return isinstance(recipe, DelayedScaling)

@@ -239,3 +239,40 @@ def test_autocast_sets_construction_defaults_only() -> None:
     assert outside.recipe == f8.DelayedScaling() and outside.gradient_accumulation_steps == 1
     inside.build((None, 4))
     assert inside.fp8_state.fwd_history.shape == (7, 3)
+
+
+def test_current_scaling_quantizes_with_its_own_amax_and_keeps_no_history(rng) -> None:
+    w = random_fp8_friendly(rng, (16, 8))
+    layer = dense(8, w, np.zeros(8, np.float32), f8.Float8CurrentScaling())
+    x = random_fp8_friendly(rng, (4, 16), 30.0)
+    g = random_fp8_friendly(rng, (4, 8), 1e-3)
+    y, dx, _, _ = train_step_fn(layer)(tf.constant(x), tf.constant(g))
+    own = lambda t, fmt: float(np.float32(fmt.max) / np.float32(np.abs(t).max()))  # noqa: E731
+    xq, wq = qdq(x, own(x, E4M3), E4M3), qdq(w, own(w, E4M3), E4M3)
+    close(y.numpy(), xq @ wq)
+    close(dx.numpy(), qdq(g, own(g, E5M2), E5M2) @ wq.T)
+    assert layer.fp8_state.fwd_history.shape == (1, 3)
+    for value, init in zip(state_arrays(layer), (0, 1, 0, 0, 1, 0, 0), strict=True):
+        np.testing.assert_array_equal(value, init)
+
+
+def test_callable_algorithms_run_inside_the_compiled_step(rng) -> None:
+    """A callable amax_compute_algo / scaling_factor_compute_algo receives backend tensors in
+    the jit_compile'd step; written as "max" and the default rule they give the same state."""
+    builtin = f8.DelayedScaling(amax_history_len=3, margin=1)
+    custom = f8.DelayedScaling(
+        amax_history_len=3,
+        amax_compute_algo=lambda h: keras.ops.max(h, axis=0),
+        scaling_factor_compute_algo=lambda amax, old, fmax, r: fmax / 2.0 / amax,
+    )
+    w = random_fp8_friendly(rng, (8, 4))
+    layers = [dense(4, w, np.zeros(4, np.float32), r) for r in (builtin, custom)]
+    steps = [train_step_fn(layer) for layer in layers]
+    for k in range(3):
+        x = tf.constant(random_fp8_friendly(rng, (2, 8), 2.0**k))
+        g = tf.constant(random_fp8_friendly(rng, (2, 4)))
+        for step in steps:
+            step(x, g)
+        for a, c in zip(state_arrays(layers[0]), state_arrays(layers[1]), strict=True):
+            np.testing.assert_array_equal(a, c)
+    assert layers[1].fp8_state.fwd_count.numpy()[0] == 3
