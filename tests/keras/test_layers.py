@@ -276,3 +276,23 @@ def test_callable_algorithms_run_inside_the_compiled_step(rng) -> None:
         for a, c in zip(state_arrays(layers[0]), state_arrays(layers[1]), strict=True):
             np.testing.assert_array_equal(a, c)
     assert layers[1].fp8_state.fwd_count.numpy()[0] == 3
+
+
+def test_a_training_call_outside_any_tape_neither_observes_nor_blocks_the_step(rng) -> None:
+    """``layer(x, training=True)`` without a GradientTape (e.g. a teacher pass) leaves the state
+    alone, and the taped call after it in the same traced step still runs its event."""
+    layer = dense(4, random_fp8_friendly(rng, (8, 4)), np.zeros(4, np.float32), f8.DelayedScaling())
+    big = random_fp8_friendly(rng, (2, 8), 64.0)
+    x = random_fp8_friendly(rng, (2, 8))
+
+    @tf.function(jit_compile=True)
+    def step(big, x):
+        teacher = layer(big, training=True)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(x, training=True)) + 0.0 * tf.reduce_sum(teacher)
+        return tape.gradient(loss, layer.kernel)
+
+    step(tf.constant(big), tf.constant(x))
+    hist_f, _, count_f, _, _, _, _ = state_arrays(layer)
+    np.testing.assert_array_equal(count_f, [1, 1, 0])
+    assert hist_f[-1, 0] == np.abs(x).max()  # the teacher's larger input was not observed

@@ -24,6 +24,7 @@ from typing import Any
 
 import tensorflow as tf
 from keras.backend import standardize_dtype
+from tensorflow.python.eager import record  # no public "is a GradientTape recording?" exists
 
 from fp8kit.keras import gemm
 from fp8kit.keras.state import Fp8State
@@ -72,7 +73,8 @@ def fp8_einsum(
     Args:
         plan: the GEMM plan; state: the layer's FP8 state.
         x: input; w: kernel (as the layer's compute dtype).
-        training: observe amaxes and update ``state`` (True) or leave it untouched (False).
+        training: observe amaxes and update ``state`` (True) or leave it untouched (False). A
+            training call that no ``GradientTape`` records observes nothing either.
         out_dtype: dtype of the result.
     """
     fwd_scale, fwd_count, bwd_scale, bwd_count = state.read()
@@ -80,7 +82,9 @@ def fp8_einsum(
     x, w = tf.convert_to_tensor(x), tf.convert_to_tensor(w)
     x_dtype, w_dtype = standardize_dtype(x.dtype), standardize_dtype(w.dtype)
 
-    if not training:
+    if not training or not record.could_possibly_record():
+        # No tape records this call: its backward can never run, so it observes nothing (and
+        # must not become the head of a chain that later calls of the step would join).
 
         @tf.custom_gradient
         def frozen(x: tf.Tensor, w: tf.Tensor) -> Any:
