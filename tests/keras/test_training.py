@@ -170,6 +170,17 @@ def test_mirrored_strategy_reduces_amaxes_with_max(rng) -> None:
         values = [t.numpy() for t in strategy.experimental_local_results(v.value)]
         np.testing.assert_array_equal(values[0], values[1])
 
+    # model.fit under the strategy: each global batch is split over the replicas, and the
+    # recorded input amax is the global batch's
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((12,)), f8.Dense(6, recipe=RECIPE)])
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.concatenate([random_fp8_friendly(rng, (8, 12), 2.0**k) for k in range(2)])
+    model.fit(x, np.zeros((16, 6), np.float32), batch_size=8, shuffle=False, verbose=0)
+    fwd = model.layers[0].fp8_state
+    np.testing.assert_array_equal(fwd.fwd_count.numpy(), [2, 2, 0])
+    np.testing.assert_array_equal(fwd.fwd_history.numpy()[2:, 0], np.abs(x).reshape(2, -1).max(1))
+
     with strategy.scope():
         no_reduce = dense(6, w, b, f8.DelayedScaling(reduce_amax=False))
 
