@@ -232,3 +232,14 @@ def test_convert_model_swaps_dense_layers_and_keeps_weights(rng) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         f8.convert_model(sequential)  # no warning on the normal path
+
+
+def test_eager_fit_updates_once_per_step(rng) -> None:
+    x, y = batches(rng, 2)
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    hist_f, _, count_f, _, _, count_b, _ = state_arrays(model.get_layer("fc1"))
+    np.testing.assert_array_equal(count_f, [2, 2, 0])
+    np.testing.assert_array_equal(count_b, [2, 0])
+    np.testing.assert_array_equal(hist_f[2:, 0], np.abs(x).reshape(2, -1).max(1))
