@@ -243,3 +243,18 @@ def test_eager_fit_updates_once_per_step(rng) -> None:
     np.testing.assert_array_equal(count_f, [2, 2, 0])
     np.testing.assert_array_equal(count_b, [2, 0])
     np.testing.assert_array_equal(hist_f[2:, 0], np.abs(x).reshape(2, -1).max(1))
+
+
+def test_fit_with_optimizer_gradient_accumulation_takes_the_max(rng) -> None:
+    """Optimizer and layers both accumulate 2 batches: one event per optimizer step, recording
+    the max over its two batches."""
+    x, y = batches(rng, 4)
+    with f8.autocast(recipe=RECIPE, gradient_accumulation_steps=2):
+        model = mlp(recipe=f8.UNSET)
+    model.compile(optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=2), loss="mse")
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    hist_f, _, count_f, _, _, count_b, micro = state_arrays(model.get_layer("fc1"))
+    np.testing.assert_array_equal(count_f, [2, 2, 0])
+    np.testing.assert_array_equal(count_b, [2, 0])
+    np.testing.assert_array_equal(hist_f[2:, 0], np.abs(x).reshape(2, -1).max(1))
+    assert micro == 0
