@@ -1,0 +1,121 @@
+"""``fp8kit.keras.autocast``: construction-time defaults for FP8 layers.
+
+A Keras layer's recipe is part of its config (saved in ``.keras`` files) and of the traced step
+(``tf.function`` / XLA bake it in), so it is fixed when the layer is constructed: the layer's
+``recipe=`` argument, else the innermost :func:`autocast` active at construction, else
+``DelayedScaling()``. Changing the autocast later never changes an existing layer (see
+``docs/decisions/0600-keras-frontend.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+
+__all__ = ["UNSET", "AutocastDefaults", "autocast", "check_recipe", "resolve"]
+
+
+class _Unset:
+    """Marker for a layer argument left to the autocast default."""
+
+    _instance: _Unset | None = None
+
+    def __new__(cls) -> _Unset:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+"""Default of a layer's ``recipe`` / ``gradient_accumulation_steps``: take the autocast's."""
+
+
+def check_recipe(recipe: Any, name: str = "recipe") -> Recipe | None:
+    """Return ``recipe`` if it is None or an fp8kit recipe, else raise a TypeError."""
+    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise TypeError(
+            f"{name} must be None (high precision) or an fp8kit.recipe.DelayedScaling / "
+            f"Float8CurrentScaling, got {type(recipe).__name__}"
+        )
+    return recipe
+
+
+def check_accumulation_steps(steps: Any) -> int:
+    """Return ``steps`` if it is an int >= 1, else raise."""
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"gradient_accumulation_steps must be an int >= 1, got {steps!r}")
+    if steps < 1:
+        raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {steps}")
+    return steps
+
+
+@dataclass(frozen=True)
+class AutocastDefaults:
+    """What the innermost active :func:`autocast` says about layers constructed now."""
+
+    enabled: bool
+    recipe: Recipe
+    gradient_accumulation_steps: int
+
+
+_local = threading.local()
+
+
+def _stack() -> list[AutocastDefaults]:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+@contextlib.contextmanager
+def autocast(
+    enabled: bool = True,
+    recipe: Recipe | None = None,
+    *,
+    gradient_accumulation_steps: int = 1,
+) -> Iterator[AutocastDefaults]:
+    """Make FP8 layers constructed inside this block default to ``recipe``.
+
+    Args:
+        enabled: False makes layers constructed inside run in high precision.
+        recipe: DelayedScaling or Float8CurrentScaling; None means ``DelayedScaling()``.
+        gradient_accumulation_steps: backward passes per update event (match the optimizer's
+            ``gradient_accumulation_steps``); the amaxes in between combine with max.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {enabled!r}")
+    chosen = check_recipe(DelayedScaling() if recipe is None else recipe)
+    assert chosen is not None
+    frame = AutocastDefaults(
+        enabled=enabled,
+        recipe=chosen,
+        gradient_accumulation_steps=check_accumulation_steps(gradient_accumulation_steps),
+    )
+    stack = _stack()
+    stack.append(frame)
+    try:
+        yield frame
+    finally:
+        stack.pop()
+
+
+def resolve(recipe: Any, steps: Any) -> tuple[Recipe | None, int]:
+    """A layer's ``(recipe, gradient_accumulation_steps)`` from its arguments and the autocast."""
+    stack = _stack()
+    frame = stack[-1] if stack else None
+    if recipe is UNSET and frame is None:
+        recipe = DelayedScaling()
+    elif recipe is UNSET:
+        recipe = frame.recipe if frame.enabled else None
+    if steps is UNSET:
+        steps = 1 if frame is None else frame.gradient_accumulation_steps
+    return check_recipe(recipe), check_accumulation_steps(steps)

@@ -1,0 +1,127 @@
+"""TensorFlow plumbing: ``tf.custom_gradient`` whose backward writes the FP8 state directly.
+
+The backward amaxes never travel as a gradient: the backward function of the layer's *first*
+training call in a traced step (the chain head) calls :meth:`Fp8State.observe`, whose
+``assign``s TensorFlow runs as stateful ops of the step (``tf.function`` keeps every stateful op,
+XLA compiles them as resource updates). No optimizer, loss scale or gradient clipping sees them.
+
+Reuse: later calls of the same layer in the same traced step (per ``tf.function`` graph and
+replica) are chained to the head by a token, a ``(5g,)`` float32 tensor passed from call to
+call. Each call's backward returns, as the token's gradient, the max of its own amaxes and
+those of the calls after it, so the head's backward sees the max of every call and runs one
+event; the data dependency orders the backward passes. In eager execution every training call
+is its own head (one event per call).
+
+Under ``tf.distribute`` (e.g. ``MirroredStrategy``) the head gathers the amaxes of every replica
+(``all_gather``) and takes the max before the event, so every replica computes identical state;
+the variables' ``only_first_replica`` aggregation then writes it once.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import tensorflow as tf
+from keras.backend import standardize_dtype
+from tensorflow.python.eager import record  # no public "is a GradientTape recording?" exists
+
+from fp8kit.keras import gemm
+from fp8kit.keras.state import Fp8State
+from fp8kit.recipe import DelayedScaling
+
+__all__ = ["fp8_einsum", "replica_max"]
+
+# Per traced graph: {(id(state), id(replica context)): token of the latest call}.
+_CHAINS: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], Any]] = weakref.WeakKeyDictionary()
+
+
+def replica_max(amaxes: tf.Tensor, recipe: Any) -> tf.Tensor:
+    """Max of ``amaxes`` over the replicas of the current ``tf.distribute`` replica context."""
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return amaxes
+    if isinstance(recipe, DelayedScaling) and not recipe.reduce_amax:
+        raise ValueError(
+            f"recipe.reduce_amax=False under a tf.distribute strategy with "
+            f"{ctx.num_replicas_in_sync} replicas: fp8kit.keras keeps one mirrored FP8 state per "
+            "layer, so the replicas' amaxes must be reduced; set reduce_amax=True"
+        )
+    return tf.reduce_max(ctx.all_gather(amaxes[None], axis=0), axis=0)
+
+
+def _chain_slot(state: Fp8State) -> tuple[dict[tuple[int, int], Any], tuple[int, int]] | None:
+    """Where this graph keeps the token of ``state``'s latest call (None when eager)."""
+    if tf.executing_eagerly():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    ctx = tf.distribute.get_replica_context()
+    table = _CHAINS.setdefault(graph, {})
+    return table, (id(state), id(ctx))
+
+
+def fp8_einsum(
+    plan: gemm.GemmPlan,
+    state: Fp8State,
+    x: tf.Tensor,
+    w: tf.Tensor,
+    training: bool,
+    out_dtype: str,
+) -> tf.Tensor:
+    """``einsum(plan.equation, x, w)`` in FP8 (see :mod:`fp8kit.keras.gemm`).
+
+    Args:
+        plan: the GEMM plan; state: the layer's FP8 state.
+        x: input; w: kernel (as the layer's compute dtype).
+        training: observe amaxes and update ``state`` (True) or leave it untouched (False). A
+            training call that no ``GradientTape`` records observes nothing either.
+        out_dtype: dtype of the result.
+    """
+    fwd_scale, fwd_count, bwd_scale, bwd_count = state.read()
+    # read variables outside the custom gradient: it must see tensors, not variables
+    x, w = tf.convert_to_tensor(x), tf.convert_to_tensor(w)
+    x_dtype, w_dtype = standardize_dtype(x.dtype), standardize_dtype(w.dtype)
+
+    if not training or not record.could_possibly_record():
+        # No tape records this call: its backward can never run, so it observes nothing (and
+        # must not become the head of a chain that later calls of the step would join).
+
+        @tf.custom_gradient
+        def frozen(x: tf.Tensor, w: tf.Tensor) -> Any:
+            y, saved, _ = gemm.forward(plan, x, w, fwd_scale, fwd_count, out_dtype)
+
+            def grad(dy: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+                dx, dw, _ = gemm.backward(plan, dy, saved, bwd_scale, bwd_count, x_dtype, w_dtype)
+                return dx, dw
+
+            return y, grad
+
+        return frozen(x, w)
+
+    slot = _chain_slot(state)
+    previous = None if slot is None else slot[0].get(slot[1])
+    is_head = previous is None
+    token_in = tf.zeros((state.num_observations,), tf.float32) if is_head else previous
+
+    @tf.custom_gradient
+    def observed(x: tf.Tensor, w: tf.Tensor, token: tf.Tensor) -> Any:
+        y, saved, fwd_obs = gemm.forward(plan, x, w, fwd_scale, fwd_count, out_dtype)
+
+        def grad(dy: tf.Tensor, dtoken: tf.Tensor | None) -> tuple[Any, ...]:
+            dx, dw, bwd_obs = gemm.backward(plan, dy, saved, bwd_scale, bwd_count, x_dtype, w_dtype)
+            amaxes = tf.concat([fwd_obs, bwd_obs], axis=0)
+            if dtoken is not None:  # the max over the calls chained after this one
+                amaxes = tf.maximum(amaxes, tf.cast(dtoken, tf.float32))
+            if not is_head:
+                return dx, dw, amaxes
+            if slot is not None:  # the step's backward is traced: a later call starts anew
+                slot[0].pop(slot[1], None)
+            state.observe(replica_max(amaxes, plan.recipe))
+            return dx, dw, tf.zeros_like(token)
+
+        return (y, tf.identity(token)), grad
+
+    y, token_out = observed(x, w, token_in)
+    if slot is not None:
+        slot[0][slot[1]] = token_out
+    return y

@@ -1,0 +1,61 @@
+"""torch plumbing: a ``torch.autograd.Function`` whose backward writes the FP8 state directly.
+
+Keras's torch backend runs eagerly, so every training call is its own update event: its
+backward computes the gradients, then :meth:`Fp8State.observe` assigns the new histories,
+scales and counts in place (no gradient carries them, no optimizer sees them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from keras import ops
+
+from fp8kit.keras import gemm
+from fp8kit.keras.state import Fp8State
+
+__all__ = ["fp8_einsum"]
+
+
+class _Fp8Einsum(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        plan: gemm.GemmPlan,
+        state: Fp8State,
+        training: bool,
+        out_dtype: str,
+    ) -> torch.Tensor:
+        fwd_scale, fwd_count, bwd_scale, bwd_count = state.read()
+        y, saved, fwd_obs = gemm.forward(plan, x, w, fwd_scale, fwd_count, out_dtype)
+        ctx.plan, ctx.state, ctx.training = plan, state, training
+        ctx.saved = saved
+        ctx.bwd = (bwd_scale, bwd_count)
+        ctx.fwd_obs = fwd_obs
+        ctx.dtypes = (x.dtype, w.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x_dtype, w_dtype = ctx.dtypes
+        dx, dw, bwd_obs = gemm.backward(
+            ctx.plan, dy, ctx.saved, *ctx.bwd, _keras_dtype(x_dtype), _keras_dtype(w_dtype)
+        )
+        if ctx.training:
+            with torch.no_grad():
+                ctx.state.observe(ops.concatenate([ctx.fwd_obs, bwd_obs]))
+        return dx, dw, None, None, None, None
+
+
+def _keras_dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def fp8_einsum(
+    plan: gemm.GemmPlan, state: Fp8State, x: Any, w: Any, training: bool, out_dtype: str
+) -> Any:
+    """``einsum(plan.equation, x, w)`` in FP8; a training call's backward updates ``state``."""
+    return _Fp8Einsum.apply(x, w, plan, state, training, out_dtype)

@@ -1,0 +1,88 @@
+"""``convert_model``: a copy of a Functional or Sequential Keras model with FP8 Dense layers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+
+from fp8kit.keras.autocast import UNSET, resolve
+from fp8kit.keras.layers import Dense, EinsumDense
+
+__all__ = ["convert_model"]
+
+LayerFilter = Callable[[keras.layers.Layer], bool]
+
+_FP8_CLASS: dict[type, type] = {
+    keras.layers.Dense: Dense,
+    keras.layers.EinsumDense: EinsumDense,
+}
+
+
+def _copy_weights(old: keras.layers.Layer, new: keras.layers.Layer) -> None:
+    """Assign ``old``'s kernel and bias (or every weight of another layer) to ``new``."""
+    if isinstance(new, (Dense, EinsumDense)):
+        new.kernel.assign(old.kernel)
+        if old.bias is not None:
+            new.bias.assign(old.bias)
+        return
+    new.set_weights(old.get_weights())
+
+
+def convert_model(
+    model: keras.Model,
+    *,
+    layer_filter: LayerFilter | None = None,
+    recipe: Any = UNSET,
+    gradient_accumulation_steps: Any = UNSET,
+) -> keras.Model:
+    """A new model in which every ``keras.layers.Dense`` / ``EinsumDense`` is the FP8 layer.
+
+    Args:
+        model: a Functional or Sequential ``keras.Model`` (subclassed models cannot be cloned by
+            Keras: build them from :class:`fp8kit.keras.Dense` directly).
+        layer_filter: ``layer -> bool``; a layer is converted only if it returns True. Only
+            layers whose type is exactly ``keras.layers.Dense`` / ``EinsumDense`` are converted.
+        recipe, gradient_accumulation_steps: for the new layers, as in
+            :class:`fp8kit.keras.Dense` (unset: the autocast active now, else
+            ``DelayedScaling()``).
+
+    Returns:
+        A new, uncompiled model with the same architecture and the weights of ``model``
+        (kernels and biases are copied; the new FP8 layers start with fresh FP8 state). Compile
+        it (a new optimizer) before ``fit``.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"model must be a keras.Model, got {type(model).__name__}")
+    if not isinstance(model, (keras.Sequential, keras.Model)) or (
+        type(model) is not keras.Sequential
+        and not getattr(model, "_is_graph_network", False)
+        and type(model).__name__ != "Functional"
+    ):
+        raise TypeError(
+            f"convert_model needs a Functional or Sequential model, got the subclassed model "
+            f"{type(model).__name__}: construct it with fp8kit.keras.Dense / EinsumDense instead"
+        )
+    if layer_filter is not None and not callable(layer_filter):
+        raise TypeError("layer_filter must be None or a callable (layer) -> bool")
+    recipe, steps = resolve(recipe, gradient_accumulation_steps)
+    pairs: list[tuple[keras.layers.Layer, keras.layers.Layer]] = []
+
+    def clone(layer: keras.layers.Layer) -> keras.layers.Layer:
+        fp8_class = _FP8_CLASS.get(type(layer))
+        config = layer.get_config()
+        if fp8_class is not None and (layer_filter is None or layer_filter(layer)):
+            new = fp8_class.from_config(
+                {**config, "recipe": recipe, "gradient_accumulation_steps": steps}
+            )
+        else:
+            new = layer.__class__.from_config(config)
+        pairs.append((layer, new))
+        return new
+
+    converted = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    for old, new in pairs:
+        if old.built and new.built:
+            _copy_weights(old, new)
+    return converted

@@ -1,0 +1,231 @@
+"""The FP8 GEMM of a Keras layer as backend-neutral ``keras.ops`` math (SPEC sections 2-4).
+
+:func:`forward` quantizes the input (INPUT slot) and the kernel (WEIGHT slot) into the recipe's
+forward format with the layer's delayed scales and multiplies the dequantized float32 operands
+(``float32(q) * scale_inv``, the pattern XLA rewrites into an FP8 GEMM on GPUs that have one;
+elsewhere a float32 GEMM at full precision on those operands). :func:`backward` quantizes the
+output gradient (GRAD_OUTPUT slot) into the backward format and runs dgrad and wgrad on FP8
+operands; the forward pass saves the FP8 copies (1 byte per element), not the high-precision
+input. ``override_linear_precision`` switches any of the three GEMMs to high precision.
+
+Both return the amaxes they saw (``(3,)`` forward, ``(2,)`` backward, 0 = slot not quantized);
+the backend modules (``fp8kit.keras.backends``) decide where they go. The GEMM is an einsum, so
+one code path serves ``Dense`` (``"...i,ij->...j"``) and ``EinsumDense``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from keras import ops
+
+from fp8kit.formats import FP8Format
+from fp8kit.keras.quantization import cast_to_fp8, current_scale, dequantize, nan_ignoring_amax
+from fp8kit.recipe import Float8CurrentScaling, Recipe
+from fp8kit.slots import BwdSlot, FwdSlot
+
+__all__ = ["GemmPlan", "Saved", "backward", "forward", "plan_einsum"]
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """Static description of one FP8 GEMM ``y = einsum(equation, x, kernel)``.
+
+    A leading ellipsis (``"...i,ij->...j"``) is run as one flattened axis (letter
+    :data:`_FLAT`): the input is reshaped to ``(prod(leading), ...)`` and the output back, so
+    wgrad sums over every leading axis with an einsum that every backend accepts.
+
+    Attributes:
+        equation: the forward einsum ``"X,W->Y"`` (ellipsis replaced by the flat axis).
+        dgrad_equation: ``"Y,W->X"``; wgrad_equation: ``"X,Y->W"``.
+        recipe: the layer's recipe.
+        flat_rank: number of trailing input axes after a leading ellipsis (None: no ellipsis).
+    """
+
+    equation: str
+    dgrad_equation: str
+    wgrad_equation: str
+    recipe: Recipe
+    flat_rank: int | None = None
+
+    @property
+    def fp8_gemms(self) -> tuple[bool, bool, bool]:
+        """(fprop, dgrad, wgrad): True where that GEMM runs on FP8 operands."""
+        fprop, dgrad, wgrad = self.recipe.override_linear_precision
+        return not fprop, not dgrad, not wgrad
+
+
+def plan_einsum(equation: str, recipe: Recipe) -> GemmPlan:
+    """Build the plan of ``equation`` (``"X,W->Y"``), deriving the two gradient einsums.
+
+    Raises a ValueError for equations whose gradients are not einsums of the other two operands:
+    an input axis summed away without meeting the kernel, a kernel axis used by neither input nor
+    output, or an ellipsis in the kernel.
+    """
+    if not isinstance(equation, str) or "->" not in equation or equation.count(",") != 1:
+        raise ValueError(
+            f"equation must have the form 'X,W->Y' (two operands and an output), got {equation!r}"
+        )
+    lhs, out = equation.replace(" ", "").split("->")
+    x_axes, w_axes = lhs.split(",")
+    if "..." in w_axes:
+        raise ValueError(f"equation {equation!r}: the kernel cannot have an ellipsis")
+    ellipsis = "..." in x_axes or "..." in out
+    if ellipsis and not (x_axes.startswith("...") and out.startswith("...")):
+        raise ValueError(
+            f"equation {equation!r}: fp8kit.keras supports an ellipsis only at the start of both "
+            "the input and the output (e.g. '...i,ij->...j')"
+        )
+    letters = lambda s: set(s.replace("...", ""))  # noqa: E731
+    lonely_x = letters(x_axes) - letters(w_axes) - letters(out)
+    lonely_w = letters(w_axes) - letters(x_axes) - letters(out)
+    if lonely_x or lonely_w or ("..." in x_axes) != ("..." in out):
+        raise ValueError(
+            f"equation {equation!r} is not supported by fp8kit.keras: every input axis must meet "
+            f"the kernel or the output (alone: {sorted(lonely_x)}), every kernel axis the input "
+            f"or the output (alone: {sorted(lonely_w)}), and an ellipsis must be in both the "
+            "input and the output"
+        )
+    flat_rank = None
+    if ellipsis:
+        if _FLAT in equation:
+            raise ValueError(
+                f"equation {equation!r}: with an ellipsis the letter {_FLAT!r} is reserved"
+            )
+        x_axes, out = _FLAT + x_axes[3:], _FLAT + out[3:]
+        flat_rank = len(x_axes) - 1
+    return GemmPlan(
+        equation=f"{x_axes},{w_axes}->{out}",
+        dgrad_equation=f"{out},{w_axes}->{x_axes}",
+        wgrad_equation=f"{x_axes},{out}->{w_axes}",
+        recipe=recipe,
+        flat_rank=flat_rank,
+    )
+
+
+_FLAT = "Z"  # the flattened leading axes of an ellipsis equation
+
+
+def _flatten(t: Any, trailing: int) -> Any:
+    """``t`` with every axis before its last ``trailing`` ones merged into one."""
+    return ops.reshape(t, (-1, *t.shape[len(t.shape) - trailing :]))
+
+
+def _unflatten(t: Any, like: Any, trailing: int) -> Any:
+    """``t`` ``(N, *rest)`` reshaped to the leading axes of ``like`` followed by ``rest``."""
+    lead = ops.shape(like)[: len(like.shape) - trailing]
+    return ops.reshape(t, (*lead, *t.shape[1:]))
+
+
+class Saved(NamedTuple):
+    """What the forward pass keeps for the backward pass.
+
+    ``x`` / ``w`` are ``(fp8 data, scale_inv)`` pairs where the gradient GEMM that needs them
+    is FP8 (1 byte per element), else the high-precision tensors.
+    """
+
+    x: Any
+    w: Any
+    x_like: Any = None  # the unflattened input (its shape restores dx's leading axes)
+
+
+def _operand(saved: Any) -> Any:
+    """A saved operand as float32: dequantized FP8 or the cast high-precision tensor."""
+    if isinstance(saved, tuple):
+        return dequantize(*saved)
+    return ops.cast(saved, "float32")
+
+
+def _quantize(
+    t: Any, scale: Any, count: Any, fmt: FP8Format, recipe: Recipe
+) -> tuple[Any, Any, Any]:
+    """(FP8 data, scale_inv, amax to record) of ``t`` for one slot.
+
+    Current scaling records 0 (no history); ``first_step_scaling="current"`` casts a slot without
+    history with ``fmax / amax`` of ``t`` itself (the recorded amax is the same).
+    """
+    amax = nan_ignoring_amax(t)
+    if isinstance(recipe, Float8CurrentScaling):
+        scale = current_scale(amax, fmt, recipe.power_2_scale)
+        return cast_to_fp8(t, scale, fmt), ops.reciprocal(scale), ops.zeros_like(amax)
+    if recipe.first_step_scaling == "current":
+        scale = ops.where(ops.greater(count, 0.0), scale, current_scale(amax, fmt))
+    return cast_to_fp8(t, scale, fmt), ops.reciprocal(scale), amax
+
+
+def forward(
+    plan: GemmPlan, x: Any, w: Any, fwd_scale: Any, fwd_count: Any, out_dtype: str
+) -> tuple[Any, Saved, Any]:
+    """``einsum(plan.equation, x, w)`` with FP8 operands.
+
+    Args:
+        plan: the GEMM plan.
+        x: input (high-precision float tensor); w: kernel.
+        fwd_scale / fwd_count: float32 ``(3,)`` forward scales and event counts of the layer.
+        out_dtype: dtype of the result.
+
+    Returns:
+        ``(y, saved, amaxes)``: ``y`` of ``out_dtype``, the residuals, float32 ``(3,)`` amaxes
+        (INPUT, WEIGHT, OUTPUT=0).
+    """
+    recipe = plan.recipe
+    fmt = recipe.fp8_format.forward
+    fprop, dgrad, wgrad = plan.fp8_gemms
+    x_full = x
+    if plan.flat_rank is not None:
+        x = _flatten(x, plan.flat_rank)
+    zero = ops.zeros((), "float32")
+    x_amax = w_amax = zero
+    xq = wq = None
+    if fprop or wgrad:
+        i = int(FwdSlot.INPUT)
+        x_data, x_inv, x_amax = _quantize(x, fwd_scale[i], fwd_count[i], fmt, recipe)
+        xq = (x_data, x_inv)
+    if fprop or dgrad:
+        i = int(FwdSlot.WEIGHT)
+        w_data, w_inv, w_amax = _quantize(w, fwd_scale[i], fwd_count[i], fmt, recipe)
+        wq = (w_data, w_inv)
+    if fprop:
+        y = ops.einsum(plan.equation, _operand(xq), _operand(wq))
+    else:
+        y = ops.einsum(plan.equation, x, ops.cast(w, x.dtype))
+    if plan.flat_rank is not None:
+        y = _unflatten(y, x_full, plan.flat_rank)
+    saved = Saved(x=xq if wgrad else x, w=wq if dgrad else w, x_like=x_full)
+    return ops.cast(y, out_dtype), saved, ops.stack([x_amax, w_amax, zero])
+
+
+def backward(
+    plan: GemmPlan,
+    dy: Any,
+    saved: Saved,
+    bwd_scale: Any,
+    bwd_count: Any,
+    x_dtype: str,
+    w_dtype: str,
+) -> tuple[Any, Any, Any]:
+    """Gradients of :func:`forward` for the output gradient ``dy``.
+
+    Returns:
+        ``(dx, dw, amaxes)``: ``dx`` of ``x_dtype``, ``dw`` of ``w_dtype``, float32 ``(2,)``
+        amaxes (GRAD_OUTPUT, GRAD_INPUT=0).
+    """
+    recipe = plan.recipe
+    _, dgrad, wgrad = plan.fp8_gemms
+    zero = ops.zeros((), "float32")
+    dy_amax = zero
+    if plan.flat_rank is not None:
+        dy = _flatten(dy, len(plan.equation.split("->")[1]) - 1)
+    dy32 = ops.cast(dy, "float32")
+    dyq = dy32
+    if dgrad or wgrad:
+        i = int(BwdSlot.GRAD_OUTPUT)
+        fmt = recipe.fp8_format.backward
+        data, inv, dy_amax = _quantize(dy, bwd_scale[i], bwd_count[i], fmt, recipe)
+        dyq = dequantize(data, inv)
+    dx = ops.einsum(plan.dgrad_equation, dyq if dgrad else dy32, _operand(saved.w))
+    dw = ops.einsum(plan.wgrad_equation, _operand(saved.x), dyq if wgrad else dy32)
+    if plan.flat_rank is not None:
+        dx = _unflatten(dx, saved.x_like, plan.flat_rank)
+    return ops.cast(dx, x_dtype), ops.cast(dw, w_dtype), ops.stack([dy_amax, zero])

@@ -1,0 +1,210 @@
+"""Keras FP8 layers: drop-in :class:`Dense` and :class:`EinsumDense`.
+
+Subclasses of ``keras.layers.Dense`` / ``keras.layers.EinsumDense`` with the same constructor
+arguments, variables, initialisation, regularizers, constraints, activation and dtype policies
+(``"mixed_bfloat16"`` included), plus:
+
+* ``recipe``: an ``fp8kit.recipe`` object, None for high precision, or left unset to take the
+  :func:`fp8kit.keras.autocast` active at construction (``DelayedScaling()`` outside one);
+* ``gradient_accumulation_steps``: backward passes per update event (default 1).
+
+The GEMM ``x @ kernel`` runs in FP8 (:mod:`fp8kit.keras.gemm`); the bias and activation are
+added as Keras does. The FP8 state is seven non-trainable float32 variables per layer
+(:mod:`fp8kit.keras.state`), updated by training calls only (see docs/keras.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+
+from fp8kit.keras.autocast import UNSET, resolve
+from fp8kit.keras.backends import fp8_einsum_for_backend
+from fp8kit.keras.gemm import GemmPlan, plan_einsum
+from fp8kit.keras.quantization import FP8_DTYPE_NAMES
+from fp8kit.keras.state import STATE_VARIABLES, Fp8State
+from fp8kit.recipe import Recipe, recipe_from_dict
+
+__all__ = ["Dense", "EinsumDense"]
+
+
+def _recipe_arg(recipe: Any) -> Any:
+    """A recipe given as its ``to_dict()`` (a saved config) becomes the recipe object."""
+    return recipe_from_dict(recipe) if isinstance(recipe, dict) else recipe
+
+
+class _Fp8LayerMixin:
+    """What Dense and EinsumDense share: recipe resolution, FP8 state, the FP8 GEMM."""
+
+    recipe: Recipe | None
+    gradient_accumulation_steps: int
+    fp8_state: Fp8State | None
+    _fp8_plan: GemmPlan | None
+
+    def _init_fp8(self, recipe: Any, gradient_accumulation_steps: Any) -> None:
+        recipe, steps = resolve(_recipe_arg(recipe), gradient_accumulation_steps)
+        self.recipe = recipe
+        self.gradient_accumulation_steps = steps
+        self.fp8_state = None
+        self._fp8_plan = None
+
+    def _build_fp8(self, equation: str) -> None:
+        mode = self.quantization_mode  # type: ignore[attr-defined]
+        if mode is not None:
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r}: dtype policy "  # type: ignore[attr-defined]
+                f"{self.dtype_policy.name!r} (Keras quantization mode {mode!r}) cannot be "  # type: ignore[attr-defined]
+                "combined with fp8kit's FP8 GEMM; use a float policy such as 'float32' or "
+                "'mixed_bfloat16' and choose FP8 with recipe="
+            )
+        if self.recipe is None:
+            return
+        self._fp8_plan = plan_einsum(equation, self.recipe)
+        self.fp8_state = Fp8State(self, self.recipe, 1, self.gradient_accumulation_steps)
+
+    def _fp8_gemm(self, inputs: Any, kernel: Any, training: Any) -> Any:
+        dtype = keras.backend.standardize_dtype(inputs.dtype)
+        if dtype in FP8_DTYPE_NAMES or "float" not in dtype:
+            raise TypeError(
+                f"{type(self).__name__} {self.name!r}: inputs must have a high-precision float "  # type: ignore[attr-defined]
+                f"dtype (float32, bfloat16, float16), got {dtype}"
+            )
+        if self.lora_enabled:  # type: ignore[attr-defined]
+            raise NotImplementedError(
+                f"{type(self).__name__}: LoRA is not supported together with an FP8 recipe; "
+                "construct the layer with recipe=None to use LoRA"
+            )
+        assert self._fp8_plan is not None and self.fp8_state is not None
+        fp8_einsum = fp8_einsum_for_backend()
+        return fp8_einsum(
+            self._fp8_plan,
+            self.fp8_state,
+            inputs,
+            kernel,
+            bool(training),
+            self.compute_dtype,  # type: ignore[attr-defined]
+        )
+
+    def _fp8_config(self) -> dict[str, Any]:
+        return {
+            "recipe": None if self.recipe is None else self.recipe.to_dict(),
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+        }
+
+    def _save_fp8(self, store: Any) -> None:
+        if self.fp8_state is None:
+            return
+        start = len(store.keys())
+        for k, var in enumerate(self.fp8_state.variables):
+            store[str(start + k)] = var
+
+    def _load_fp8(self, store: Any) -> None:
+        if self.fp8_state is None:
+            return
+        n = len(STATE_VARIABLES)
+        start = len(store.keys()) - n
+        values = [np.asarray(store[str(start + k)]) for k in range(n)]
+        self.fp8_state.load(values, f"layer {self.name!r}")  # type: ignore[attr-defined]
+
+
+@keras.saving.register_keras_serializable(package="fp8kit")
+class Dense(_Fp8LayerMixin, keras.layers.Dense):
+    """FP8 drop-in for ``keras.layers.Dense``: ``activation(inputs @ kernel + bias)``.
+
+    Args:
+        units, activation, use_bias, kernel_initializer, bias_initializer, kernel_regularizer,
+            bias_regularizer, activity_regularizer, kernel_constraint, bias_constraint,
+            **kwargs (name, dtype, ...): as ``keras.layers.Dense``.
+        recipe: DelayedScaling / Float8CurrentScaling, None for high precision, or unset (the
+            autocast active at construction, else ``DelayedScaling()``).
+        gradient_accumulation_steps: backward passes per FP8 update event (int >= 1).
+
+    Shapes: ``inputs`` ``(..., in_features)`` -> ``(..., units)``.
+    """
+
+    def __init__(
+        self,
+        units: int,
+        *args: Any,
+        recipe: Any = UNSET,
+        gradient_accumulation_steps: Any = UNSET,
+        **kwargs: Any,
+    ):
+        super().__init__(units, *args, **kwargs)
+        self._init_fp8(recipe, gradient_accumulation_steps)
+
+    def build(self, input_shape: Any) -> None:
+        super().build(input_shape)
+        self._build_fp8("...i,ij->...j")
+
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        if self.fp8_state is None:
+            return super().call(inputs, training=training)
+        x = self._fp8_gemm(inputs, keras.ops.convert_to_tensor(self.kernel), training)
+        if self.bias is not None:
+            x = keras.ops.add(x, self.bias)
+        if self.activation is not None:
+            x = self.activation(x)
+        return x
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), **self._fp8_config()}
+
+    def save_own_variables(self, store: Any) -> None:
+        super().save_own_variables(store)
+        self._save_fp8(store)
+
+    def load_own_variables(self, store: Any) -> None:
+        super().load_own_variables(store)
+        self._load_fp8(store)
+
+
+@keras.saving.register_keras_serializable(package="fp8kit")
+class EinsumDense(_Fp8LayerMixin, keras.layers.EinsumDense):
+    """FP8 drop-in for ``keras.layers.EinsumDense``: ``einsum(equation, inputs, kernel)``.
+
+    Args:
+        equation, output_shape, activation, bias_axes, kernel_initializer, ...: as
+            ``keras.layers.EinsumDense``. The equation's gradients must be einsums of the other
+            operand and the output gradient (every input axis meets the kernel or the output).
+        recipe, gradient_accumulation_steps: as :class:`Dense`.
+    """
+
+    def __init__(
+        self,
+        equation: str,
+        output_shape: Any,
+        *args: Any,
+        recipe: Any = UNSET,
+        gradient_accumulation_steps: Any = UNSET,
+        **kwargs: Any,
+    ):
+        super().__init__(equation, output_shape, *args, **kwargs)
+        self._init_fp8(recipe, gradient_accumulation_steps)
+
+    def build(self, input_shape: Any) -> None:
+        super().build(input_shape)
+        self._build_fp8(self.equation)
+
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        if self.fp8_state is None:
+            return super().call(inputs, training=training)
+        x = self._fp8_gemm(inputs, keras.ops.convert_to_tensor(self.kernel), training)
+        if self.bias is not None:
+            x = keras.ops.add(x, self.bias)
+        if self.activation is not None:
+            x = self.activation(x)
+        return x
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), **self._fp8_config()}
+
+    def save_own_variables(self, store: Any) -> None:
+        super().save_own_variables(store)
+        self._save_fp8(store)
+
+    def load_own_variables(self, store: Any) -> None:
+        super().load_own_variables(store)
+        self._load_fp8(store)

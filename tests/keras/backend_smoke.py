@@ -1,0 +1,113 @@
+"""Run as ``KERAS_BACKEND=torch|jax python -m tests.keras.backend_smoke``; exits non-zero on
+failure. Keras fixes its backend at import, so test_backends.py runs this in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+BACKEND = os.environ["KERAS_BACKEND"]
+if BACKEND == "torch":
+    import torch  # noqa: F401  (before keras: torch's LLVM users load first)
+
+import keras  # noqa: E402
+
+import fp8kit.keras as f8  # noqa: E402
+
+RECIPE = f8.DelayedScaling(amax_history_len=3)
+
+
+def data(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((16, 8)) * 0.1).astype(np.float32)
+    b = rng.standard_normal(8).astype(np.float32)
+    x = (rng.standard_normal((4, 16)) * 3).astype(np.float32)
+    g = (rng.standard_normal((4, 8)) * 1e-2).astype(np.float32)
+    return w, b, x, g
+
+
+def layer_with(w: np.ndarray, b: np.ndarray) -> f8.Dense:
+    layer = f8.Dense(8, recipe=RECIPE)
+    layer.build((None, 16))
+    layer.kernel.assign(w)
+    layer.bias.assign(b)
+    return layer
+
+
+def state(layer: f8.Dense) -> list[np.ndarray]:
+    return [keras.ops.convert_to_numpy(v) for v in layer.fp8_state.variables]
+
+
+def torch_backend() -> None:
+    import torch
+
+    import fp8kit.torch as f8t
+
+    w, b, x, g = data(0)
+    layer = layer_with(w, b)
+    lin = f8t.Linear(16, 8)
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(w.T.copy()))
+        lin.bias.copy_(torch.from_numpy(b))
+    for step in range(3):
+        xs = x * 2.0**step
+        xt = torch.from_numpy(xs).requires_grad_(True)
+        y = layer(xt, training=True)
+        y.backward(torch.from_numpy(g))
+        with f8t.autocast(recipe=RECIPE):
+            yt = lin(torch.from_numpy(xs))
+        yt.backward(torch.from_numpy(g))
+        ours = state(layer)
+        fw, bw = lin.fp8_meta.forward, lin.fp8_meta.backward
+        theirs = (fw.amax_history, fw.scale, fw.update_count)
+        theirs = (*theirs, bw.amax_history, bw.scale, bw.update_count)
+        for a, t in zip(ours[:6], theirs, strict=True):
+            np.testing.assert_array_equal(a, t.detach().numpy().astype(np.float32))
+        np.testing.assert_allclose(y.detach().numpy(), yt.detach().numpy(), rtol=1e-5, atol=1e-5)
+    before = state(layer)
+    layer(torch.from_numpy(x), training=False)
+    for a, c in zip(before, state(layer), strict=True):
+        np.testing.assert_array_equal(a, c)
+    model = keras.Sequential([keras.Input((16,)), f8.Dense(8, recipe=RECIPE)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.concatenate([x, x]), np.zeros((8, 8), np.float32), batch_size=4, verbose=0)
+    counts = keras.ops.convert_to_numpy(model.layers[0].fp8_state.fwd_count)
+    np.testing.assert_array_equal(counts, [2, 2, 0])
+
+
+def jax_backend() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    w, b, x, g = data(1)
+    layer = layer_with(w, b)
+    y = layer(jnp.asarray(x))
+    assert y.shape == (4, 8)
+    trainable = [v.value for v in layer.trainable_variables]
+    non_trainable = [v.value for v in layer.non_trainable_variables]
+
+    def loss(tv, xin):
+        out, _ = layer.stateless_call(tv, non_trainable, xin, training=False)
+        return jnp.sum(out * g)
+
+    (dk, db), dx = jax.grad(loss, argnums=(0, 1))(trainable, jnp.asarray(x))
+    # scale 1 everywhere: the E5M2 dY and E4M3 operands, multiplied exactly
+    wq = np.asarray(jnp.asarray(w).astype(jnp.float8_e4m3fn).astype(jnp.float32))
+    gq = np.asarray(jnp.asarray(g).astype(jnp.float8_e5m2).astype(jnp.float32))
+    np.testing.assert_allclose(np.asarray(dx), gq @ wq.T, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(db), g.sum(0), rtol=1e-6)
+    assert dk.shape == (16, 8)
+    try:
+        layer(jnp.asarray(x), training=True)
+    except NotImplementedError as err:
+        assert "JAX backend cannot update FP8 state" in str(err)
+    else:
+        raise AssertionError("training=True on the JAX backend must raise")
+
+
+if __name__ == "__main__":
+    {"torch": torch_backend, "jax": jax_backend}[BACKEND]()
+    print(f"backend smoke {BACKEND}: ok")
+    sys.exit(0)

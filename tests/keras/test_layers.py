@@ -1,0 +1,298 @@
+"""fp8kit.keras Dense / EinsumDense on the TensorFlow backend: the GEMM against a float64
+reference, drop-in behaviour, training=False, reuse, gradient accumulation, bad input."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import fp8kit.keras as f8
+from fp8kit.formats import E4M3, E5M2
+from tests.keras.helpers import dense, random_fp8_friendly, state_arrays, train_step_fn
+from tests.reference import quantize_reference, update_reference
+
+
+def qdq(x: np.ndarray, scale: float, fmt) -> np.ndarray:
+    """Dequantized float64 values of quantize(x, scale) (bit-layout reference)."""
+    q, _ = quantize_reference(x, scale, fmt)
+    return q * float(np.float32(1.0) / np.float32(scale))
+
+
+def close(actual: np.ndarray, reference: np.ndarray) -> None:
+    """Equal up to float32 accumulation of exact FP8 products (relative to the magnitude)."""
+    np.testing.assert_allclose(actual, reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+
+
+def test_dense_gemm_and_gradients_match_the_float64_reference(rng) -> None:
+    """y = Q(x) Q(W) + b, dX = Q(dY) Q(W)^T, dW = Q(x)^T Q(dY) with E4M3 operands forward and
+    E5M2 for dY, at the layer's current (non-unity) scales, on 3-D input."""
+    recipe = f8.DelayedScaling(amax_history_len=2)
+    w = random_fp8_friendly(rng, (24, 12), 0.1)
+    b = random_fp8_friendly(rng, (12,))
+    layer = dense(12, w, b, recipe)
+    fs, bs = np.float32([37.5, 900.25, 1.0]), np.float32([3.0e3, 1.0])
+    layer.fp8_state.fwd_scale.assign(fs)
+    layer.fp8_state.bwd_scale.assign(bs)
+    x = random_fp8_friendly(rng, (2, 5, 24))
+    g = random_fp8_friendly(rng, (2, 5, 12), 0.01)
+    y, dx, dk, db = train_step_fn(layer, jit_compile=False)(tf.constant(x), tf.constant(g))
+    xq, wq, gq = qdq(x, fs[0], E4M3), qdq(w, fs[1], E4M3), qdq(g, bs[0], E5M2)
+    close(y.numpy(), xq @ wq + b)
+    close(dx.numpy(), gq @ wq.T)
+    close(dk.numpy(), np.einsum("abi,abj->ij", xq, gq))
+    np.testing.assert_allclose(db.numpy(), g.sum(axis=(0, 1)), rtol=1e-6, atol=1e-7)
+    # that training step observed max|x|, max|W|, max|dY| and ran one event
+    hist_f, _, count_f, hist_b, _, count_b, _ = state_arrays(layer)
+    np.testing.assert_array_equal(hist_f[1], [np.abs(x).max(), np.abs(w).max(), 0])
+    np.testing.assert_array_equal(hist_b[1], [np.abs(g).max(), 0])
+    np.testing.assert_array_equal(count_f, [1, 1, 0])
+    np.testing.assert_array_equal(count_b, [1, 0])
+
+
+@pytest.mark.parametrize(
+    "equation,out_shape,bias_axes,x_shape",
+    [("abc,cd->abd", (None, 6), "d", (2, 3, 8)), ("...b,bc->...c", 6, None, (2, 3, 8)),
+     ("abc,bcd->ad", 6, "d", (2, 3, 8))],
+)  # fmt: skip
+def test_einsum_dense_matches_the_reference(rng, equation, out_shape, bias_axes, x_shape) -> None:
+    layer = f8.EinsumDense(equation, out_shape, bias_axes=bias_axes, recipe=f8.DelayedScaling())
+    x = random_fp8_friendly(rng, x_shape)
+    y_shape = tuple(layer(x).shape)
+    w = layer.kernel.numpy()
+    g = random_fp8_friendly(rng, y_shape, 0.1)
+    with tf.GradientTape() as tape:
+        xt = tf.constant(x)
+        tape.watch(xt)
+        y = layer(xt, training=True)
+        loss = tf.reduce_sum(y * g)
+    dx, dk = tape.gradient(loss, [xt, layer.kernel])
+    eq = equation.replace("...", "Z") if "..." in equation else equation
+    xr, yr = (
+        (x.reshape(-1, x_shape[-1]), g.reshape(-1, g.shape[-1])) if "..." in equation else (x, g)
+    )
+    xq, wq, gq = qdq(xr, 1.0, E4M3), qdq(w, 1.0, E4M3), qdq(yr, 1.0, E5M2)
+    lhs, out = eq.split("->")
+    xs, ws = lhs.split(",")
+    bias = 0.0 if layer.bias is None else layer.bias.numpy()
+    y_ref = np.einsum(eq, xq, wq).reshape(y_shape) + bias
+    close(y.numpy(), y_ref)
+    close(dx.numpy(), np.einsum(f"{out},{ws}->{xs}", gq, wq).reshape(x_shape))
+    close(dk.numpy(), np.einsum(f"{xs},{out}->{ws}", xq, gq))
+    assert layer.fp8_state.fwd_count.numpy()[0] == 1
+
+
+def test_recipe_none_is_exactly_keras_dense(rng) -> None:
+    x = random_fp8_friendly(rng, (4, 10))
+    ref = keras.layers.Dense(7, activation="relu", kernel_regularizer="l2", name="d")
+    ours = f8.Dense(7, activation="relu", kernel_regularizer="l2", name="d", recipe=None)
+    ref.build((None, 10))
+    ours.build((None, 10))
+    ours.set_weights(ref.get_weights())
+    np.testing.assert_array_equal(ours(x).numpy(), ref(x).numpy())
+    assert ours.fp8_state is None and [v.path for v in ours.weights] == [
+        v.path for v in ref.weights
+    ]
+    assert len(ours.losses) == len(ref.losses) == 1  # the regularizer
+
+
+def test_drop_in_arguments_config_and_mixed_bfloat16(rng) -> None:
+    layer = f8.Dense(
+        5,
+        activation="gelu",
+        kernel_initializer="he_normal",
+        bias_initializer="ones",
+        kernel_constraint=keras.constraints.MaxNorm(2.0),
+        dtype="mixed_bfloat16",
+        recipe=f8.DelayedScaling(amax_history_len=8, margin=1),
+    )
+    x = random_fp8_friendly(rng, (3, 6))
+    y = layer(x, training=False)
+    assert keras.backend.standardize_dtype(y.dtype) == "bfloat16"
+    assert all(v.dtype == "float32" for v in layer.fp8_state.variables)
+    np.testing.assert_array_equal(layer.bias.numpy(), np.ones(5, np.float32))
+    config = layer.get_config()
+    clone = f8.Dense.from_config(config)
+    assert clone.recipe == layer.recipe and clone.dtype_policy.name == "mixed_bfloat16"
+    assert {v.path.split("/")[-1] for v in layer.non_trainable_weights} == set(f8.STATE_VARIABLES)
+    assert {v.path.split("/")[-1] for v in layer.trainable_weights} == {"kernel", "bias"}
+    step = train_step_fn(layer)
+    step(tf.constant(x), tf.constant(np.ones((3, 5), np.float32)))
+    assert layer.fp8_state.fwd_count.numpy()[0] == 1
+
+
+def test_training_false_and_inference_leave_state_unchanged(rng) -> None:
+    layer = dense(6, random_fp8_friendly(rng, (8, 6)), np.zeros(6, np.float32), f8.DelayedScaling())
+    x = tf.constant(random_fp8_friendly(rng, (4, 8)))
+    train_step_fn(layer)(x, tf.ones((4, 6)))
+    before = state_arrays(layer)
+
+    @tf.function(jit_compile=True)
+    def eval_grad(x):
+        with tf.GradientTape() as tape:
+            y = layer(x, training=False)
+            loss = tf.reduce_sum(y)
+        return tape.gradient(loss, layer.kernel)
+
+    eval_grad(x)
+    layer(x)
+    model = keras.Sequential([keras.Input((8,)), layer])
+    model.predict(x.numpy(), verbose=0)
+    model.compile(loss="mse")
+    model.evaluate(x.numpy(), np.zeros((4, 6), np.float32), verbose=0)
+    for a, b in zip(before, state_arrays(layer), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_reused_layer_records_the_max_of_its_calls_in_one_event(rng) -> None:
+    """A layer called twice in one traced step: one event, input amax = max of both inputs, dY
+    amax = max of both output gradients (SPEC 3 staging row), whatever the backward order."""
+    recipe = f8.DelayedScaling(amax_history_len=3)
+    w = random_fp8_friendly(rng, (8, 8), 0.1)
+    layer = dense(8, w, np.zeros(8, np.float32), recipe)
+    a, c = random_fp8_friendly(rng, (4, 8)), random_fp8_friendly(rng, (4, 8), 4.0)
+    ga, gc = random_fp8_friendly(rng, (4, 8)), random_fp8_friendly(rng, (4, 8), 0.25)
+
+    @tf.function(jit_compile=True)
+    def step(a, c):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(a, training=True) * ga) + tf.reduce_sum(
+                layer(c, training=True) * gc
+            )
+        return tape.gradient(loss, layer.kernel)
+
+    step(tf.constant(a), tf.constant(c))
+    hist_f, scale_f, count_f, hist_b, _, count_b, _ = state_arrays(layer)
+    want_f = [max(np.abs(a).max(), np.abs(c).max()), np.abs(w).max(), 0]
+    want_b = [max(np.abs(ga).max(), np.abs(gc).max()), 0]
+    np.testing.assert_array_equal(hist_f[-1], np.float32(want_f))
+    np.testing.assert_array_equal(hist_b[-1], np.float32(want_b))
+    np.testing.assert_array_equal(count_f, [1, 1, 0])
+    np.testing.assert_array_equal(count_b, [1, 0])
+    np.testing.assert_array_equal(scale_f[:2], np.float32(448) / np.float32(want_f[:2]))
+
+
+def test_gradient_accumulation_takes_the_max_and_updates_every_k_passes(rng) -> None:
+    recipe = f8.DelayedScaling(amax_history_len=4)
+    w = random_fp8_friendly(rng, (8, 4))
+    layer = dense(4, w, np.zeros(4, np.float32), recipe, gradient_accumulation_steps=3)
+    step = train_step_fn(layer)
+    h = np.zeros((4, 5), np.float32)
+    s, c = np.ones(5, np.float32), np.zeros(5, np.int64)
+    fmax = np.array([448] * 3 + [57344] * 2, np.float64)
+    for k in range(6):
+        x = random_fp8_friendly(rng, (2, 8), 2.0**k)
+        g = random_fp8_friendly(rng, (2, 4), 2.0**-k)
+        step(tf.constant(x), tf.constant(g))
+        h[0] = np.maximum(h[0], [np.abs(x).max(), np.abs(w).max(), 0, np.abs(g).max(), 0])
+        if k % 3 == 2:  # reference: one SPEC event per fmax group on the staged maximum
+            hf, sf, cf = update_reference(h[:, :3], s[:3], c[:3], recipe, 448.0)
+            hb, sb, cb = update_reference(h[:, 3:], s[3:], c[3:], recipe, 57344.0)
+            h, s, c = (
+                np.concatenate([hf, hb], 1),
+                np.concatenate([sf, sb]),
+                np.concatenate([cf, cb]),
+            )
+        hist_f, scale_f, count_f, hist_b, scale_b, count_b, micro = state_arrays(layer)
+        np.testing.assert_array_equal(np.concatenate([hist_f, hist_b], 1), h, err_msg=f"pass {k}")
+        np.testing.assert_array_equal(np.concatenate([scale_f, scale_b]), s)
+        np.testing.assert_array_equal(np.concatenate([count_f, count_b]), c)
+        assert micro == (k + 1) % 3
+    assert fmax.size == 5
+
+
+def test_bad_input_raises_clear_errors(rng) -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"recipe must be None \(high precision\) or an fp8kit.recipe.DelayedScaling",
+    ):
+        f8.Dense(4, recipe="hybrid")
+    with pytest.raises(ValueError, match="gradient_accumulation_steps must be an int >= 1"):
+        f8.Dense(4, gradient_accumulation_steps=0)
+    with pytest.raises(TypeError, match="gradient_accumulation_steps must be an int"):
+        f8.autocast(gradient_accumulation_steps=1.5).__enter__()
+    with pytest.raises(TypeError, match="amax_history_len must be an int"):
+        f8.DelayedScaling(amax_history_len="4")
+    layer = f8.Dense(4)
+    with pytest.raises(TypeError, match=r"inputs must have a high-precision float dtype.*int32"):
+        layer(tf.ones((2, 3), tf.int32))
+    # (FP8 inputs are cast to the compute dtype by Keras itself, exactly, before call())
+    with pytest.raises(ValueError, match="cannot be combined with fp8kit's FP8 GEMM"):
+        f8.Dense(4, dtype="float8_from_float32")(tf.ones((2, 3)))
+    with pytest.raises(ValueError, match="every input axis must meet the kernel"):
+        f8.EinsumDense("abc,cd->ad", 5)(tf.ones((2, 3, 4)))
+    with pytest.raises(ValueError, match="ellipsis only at the start"):
+        f8.EinsumDense("ab...,bc->ac...", (5, 4))(tf.ones((2, 3, 4)))
+
+
+def test_autocast_sets_construction_defaults_only() -> None:
+    recipe = f8.DelayedScaling(amax_history_len=7)
+    with f8.autocast(recipe=recipe, gradient_accumulation_steps=2):
+        inside = f8.Dense(3)
+        explicit = f8.Dense(3, recipe=None)
+    with f8.autocast(enabled=False):
+        disabled = f8.Dense(3)
+    outside = f8.Dense(3)
+    assert inside.recipe == recipe and inside.gradient_accumulation_steps == 2
+    assert explicit.recipe is None and disabled.recipe is None
+    assert outside.recipe == f8.DelayedScaling() and outside.gradient_accumulation_steps == 1
+    inside.build((None, 4))
+    assert inside.fp8_state.fwd_history.shape == (7, 3)
+
+
+def test_current_scaling_quantizes_with_its_own_amax_and_keeps_no_history(rng) -> None:
+    w = random_fp8_friendly(rng, (16, 8))
+    layer = dense(8, w, np.zeros(8, np.float32), f8.Float8CurrentScaling())
+    x = random_fp8_friendly(rng, (4, 16), 30.0)
+    g = random_fp8_friendly(rng, (4, 8), 1e-3)
+    y, dx, _, _ = train_step_fn(layer)(tf.constant(x), tf.constant(g))
+    own = lambda t, fmt: float(np.float32(fmt.max) / np.float32(np.abs(t).max()))  # noqa: E731
+    xq, wq = qdq(x, own(x, E4M3), E4M3), qdq(w, own(w, E4M3), E4M3)
+    close(y.numpy(), xq @ wq)
+    close(dx.numpy(), qdq(g, own(g, E5M2), E5M2) @ wq.T)
+    assert layer.fp8_state.fwd_history.shape == (1, 3)
+    for value, init in zip(state_arrays(layer), (0, 1, 0, 0, 1, 0, 0), strict=True):
+        np.testing.assert_array_equal(value, init)
+
+
+def test_callable_algorithms_run_inside_the_compiled_step(rng) -> None:
+    """A callable amax_compute_algo / scaling_factor_compute_algo receives backend tensors in
+    the jit_compile'd step; written as "max" and the default rule they give the same state."""
+    builtin = f8.DelayedScaling(amax_history_len=3, margin=1)
+    custom = f8.DelayedScaling(
+        amax_history_len=3,
+        amax_compute_algo=lambda h: keras.ops.max(h, axis=0),
+        scaling_factor_compute_algo=lambda amax, old, fmax, r: fmax / 2.0 / amax,
+    )
+    w = random_fp8_friendly(rng, (8, 4))
+    layers = [dense(4, w, np.zeros(4, np.float32), r) for r in (builtin, custom)]
+    steps = [train_step_fn(layer) for layer in layers]
+    for k in range(3):
+        x = tf.constant(random_fp8_friendly(rng, (2, 8), 2.0**k))
+        g = tf.constant(random_fp8_friendly(rng, (2, 4)))
+        for step in steps:
+            step(x, g)
+        for a, c in zip(state_arrays(layers[0]), state_arrays(layers[1]), strict=True):
+            np.testing.assert_array_equal(a, c)
+    assert layers[1].fp8_state.fwd_count.numpy()[0] == 3
+
+
+def test_a_training_call_outside_any_tape_neither_observes_nor_blocks_the_step(rng) -> None:
+    """``layer(x, training=True)`` without a GradientTape (e.g. a teacher pass) leaves the state
+    alone, and the taped call after it in the same traced step still runs its event."""
+    layer = dense(4, random_fp8_friendly(rng, (8, 4)), np.zeros(4, np.float32), f8.DelayedScaling())
+    big = random_fp8_friendly(rng, (2, 8), 64.0)
+    x = random_fp8_friendly(rng, (2, 8))
+
+    @tf.function(jit_compile=True)
+    def step(big, x):
+        teacher = layer(big, training=True)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(x, training=True)) + 0.0 * tf.reduce_sum(teacher)
+        return tape.gradient(loss, layer.kernel)
+
+    step(tf.constant(big), tf.constant(x))
+    hist_f, _, count_f, _, _, _, _ = state_arrays(layer)
+    np.testing.assert_array_equal(count_f, [1, 1, 0])
+    assert hist_f[-1, 0] == np.abs(x).max()  # the teacher's larger input was not observed

@@ -1,0 +1,260 @@
+"""fp8kit.keras in real training: model.fit, optimizer isolation, .keras files and TF
+checkpoints, MirroredStrategy on two logical CPUs, convert_model."""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import fp8kit.keras as f8
+from tests.keras.helpers import dense, random_fp8_friendly, state_arrays, train_step_fn
+
+RECIPE = f8.DelayedScaling(amax_history_len=4)
+
+
+def mlp(recipe=RECIPE, seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((12,))
+    h = f8.Dense(16, activation="relu", recipe=recipe, name="fc1")(inputs)
+    outputs = f8.Dense(4, recipe=recipe, name="fc2")(h)
+    return keras.Model(inputs, outputs)
+
+
+def batches(rng, n: int, size: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    x = np.concatenate([random_fp8_friendly(rng, (size, 12), 2.0**k) for k in range(n)])
+    return x, random_fp8_friendly(rng, (n * size, 4))
+
+
+def test_fit_runs_one_event_per_step_and_never_reaches_the_optimizer(rng) -> None:
+    x, y = batches(rng, 3)
+    model = mlp()
+    opt = keras.optimizers.AdamW(1e-3, weight_decay=0.5, global_clipnorm=1e-3)
+    model.compile(
+        optimizer=keras.optimizers.LossScaleOptimizer(opt),
+        loss="mse",
+        jit_compile=True,
+        steps_per_execution=2,
+    )
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    fc1 = model.get_layer("fc1")
+    hist_f, scale_f, count_f, hist_b, _, count_b, _ = state_arrays(fc1)
+    # three steps, three events; the input slot holds each batch's max|x| (the model input)
+    np.testing.assert_array_equal(count_f, [3, 3, 0])
+    np.testing.assert_array_equal(count_b, [3, 0])
+    np.testing.assert_array_equal(
+        hist_f[1:, 0], [np.abs(x[8 * k : 8 * k + 8]).max() for k in range(3)]
+    )
+    assert scale_f[0] == np.float32(448) / np.float32(np.abs(x).max())
+    assert np.all(hist_b[1:, 0] > 0)
+    fp8_ids = {id(v) for layer in model.layers for v in getattr(layer, "non_trainable_weights", [])}
+    assert not any(id(v) in fp8_ids for v in model.trainable_weights)
+    assert all(v.shape not in ((4, 3), (4, 2)) for v in opt.variables)  # no slots for FP8 state
+    assert len(model.trainable_weights) == 4
+
+
+def test_fit_equals_a_custom_tape_loop_bit_for_bit(rng) -> None:
+    """The same batches through model.fit (SGD) and through a GradientTape loop give the same
+    weights and FP8 state: fit updates at the same events (graph mode here; XLA is covered by
+    the fit test above and the parity tests)."""
+    x, y = batches(rng, 3)
+    fitted = mlp(seed=1)
+    fitted.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=False)
+    fitted.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+
+    looped = mlp(seed=1)
+    opt = keras.optimizers.SGD(0.1)
+    loss_fn = keras.losses.MeanSquaredError()
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, looped(xb, training=True))
+        grads = tape.gradient(loss, looped.trainable_weights)
+        opt.apply(grads, looped.trainable_weights)
+
+    for k in range(3):
+        step(tf.constant(x[8 * k : 8 * k + 8]), tf.constant(y[8 * k : 8 * k + 8]))
+    for a, b in zip(fitted.weights, looped.weights, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7, err_msg=a.path)
+    for name in ("fc1", "fc2"):
+        for a, b in zip(
+            state_arrays(fitted.get_layer(name)), state_arrays(looped.get_layer(name)), strict=True
+        ):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_keras_file_and_tf_checkpoint_keep_the_state(rng, tmp_path) -> None:
+    x, y = batches(rng, 4)
+    model = mlp()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.fit(x[:16], y[:16], batch_size=8, shuffle=False, verbose=0)
+    model.save(tmp_path / "m.keras")
+    tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert loaded.get_layer("fc1").recipe == RECIPE
+    restored = mlp(seed=5)
+    tf.train.Checkpoint(model=restored).read(
+        str(tmp_path / "ckpt")
+    ).assert_existing_objects_matched()
+    for other in (loaded, restored):
+        for name in ("fc1", "fc2"):
+            for a, b in zip(
+                state_arrays(model.get_layer(name)),
+                state_arrays(other.get_layer(name)),
+                strict=True,
+            ):
+                np.testing.assert_array_equal(a, b)
+    # resuming: the next steps are the same as without the save
+    restored.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    for m in (model, loaded, restored):
+        m.fit(x[16:], y[16:], batch_size=8, shuffle=False, verbose=0)
+    for other in (loaded, restored):
+        for a, b in zip(model.weights, other.weights, strict=True):
+            np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+
+
+def test_weights_of_another_history_length_are_resized_with_a_warning(rng, tmp_path) -> None:
+    model = mlp()
+    step = train_step_fn(model.get_layer("fc2"))
+    for k in range(5):
+        step(tf.constant(random_fp8_friendly(rng, (4, 16), 2.0**k)), tf.ones((4, 4)))
+    model.save_weights(tmp_path / "w.weights.h5")
+    longer = mlp(f8.DelayedScaling(amax_history_len=6))
+    with pytest.warns(UserWarning, match="has 4 entries, the recipe 6; resizing"):
+        longer.load_weights(tmp_path / "w.weights.h5")
+    old = model.get_layer("fc2").fp8_state.fwd_history.numpy()
+    new = longer.get_layer("fc2").fp8_state.fwd_history.numpy()
+    np.testing.assert_array_equal(new[3:], old[1:])  # newest entries kept, zeros on the older side
+    np.testing.assert_array_equal(new[1:3], 0)
+
+
+def test_mirrored_strategy_reduces_amaxes_with_max(rng) -> None:
+    cpus = tf.config.list_logical_devices("CPU")
+    if len(cpus) < 2:
+        pytest.skip("two logical CPU devices could not be configured (runtime already started)")
+    strategy = tf.distribute.MirroredStrategy([d.name for d in cpus[:2]])
+    w = random_fp8_friendly(rng, (12, 6), 0.1)
+    b = np.zeros(6, np.float32)
+    with strategy.scope():
+        mirrored = dense(6, w, b, RECIPE)
+    single = dense(6, w, b, RECIPE)
+    single_step = train_step_fn(single)
+
+    @tf.function
+    def dist_step(xs, gs):
+        def replica(x, g):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(mirrored(x, training=True) * g)
+            return tape.gradient(loss, mirrored.kernel)
+
+        return strategy.run(replica, args=(xs, gs))
+
+    for k in range(3):
+        # replica 0 holds the large inputs, replica 1 the large gradients: max must mix both
+        parts_x = [random_fp8_friendly(rng, (4, 12), 2.0**k), random_fp8_friendly(rng, (4, 12))]
+        parts_g = [random_fp8_friendly(rng, (4, 6)), random_fp8_friendly(rng, (4, 6), 8.0)]
+        fn = lambda parts: lambda ctx: tf.constant(parts[ctx.replica_id_in_sync_group])  # noqa: E731
+        dist_step(
+            strategy.experimental_distribute_values_from_function(fn(parts_x)),
+            strategy.experimental_distribute_values_from_function(fn(parts_g)),
+        )
+        single_step(tf.constant(np.concatenate(parts_x)), tf.constant(np.concatenate(parts_g)))
+        for a, c in zip(state_arrays(single)[:6], state_arrays(mirrored)[:6], strict=True):
+            np.testing.assert_array_equal(c, a)
+    for v in mirrored.fp8_state.variables[:6]:  # every replica holds the same values
+        values = [t.numpy() for t in strategy.experimental_local_results(v.value)]
+        np.testing.assert_array_equal(values[0], values[1])
+
+    # model.fit under the strategy: each global batch is split over the replicas, and the
+    # recorded input amax is the global batch's
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((12,)), f8.Dense(6, recipe=RECIPE)])
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.concatenate([random_fp8_friendly(rng, (8, 12), 2.0**k) for k in range(2)])
+    model.fit(x, np.zeros((16, 6), np.float32), batch_size=8, shuffle=False, verbose=0)
+    fwd = model.layers[0].fp8_state
+    np.testing.assert_array_equal(fwd.fwd_count.numpy(), [2, 2, 0])
+    np.testing.assert_array_equal(fwd.fwd_history.numpy()[2:, 0], np.abs(x).reshape(2, -1).max(1))
+
+    with strategy.scope():
+        no_reduce = dense(6, w, b, f8.DelayedScaling(reduce_amax=False))
+
+    def replica_no_reduce():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(no_reduce(tf.ones((2, 12)), training=True))
+        return tape.gradient(loss, no_reduce.kernel)
+
+    with pytest.raises(ValueError, match=r"reduce_amax=False under a tf.distribute strategy"):
+        strategy.run(tf.function(replica_no_reduce))
+
+
+def test_convert_model_swaps_dense_layers_and_keeps_weights(rng) -> None:
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((5, 12))
+    h = keras.layers.Dense(16, activation="gelu")(inputs)
+    h = keras.layers.LayerNormalization()(h)
+    h = keras.layers.EinsumDense("abc,cd->abd", (5, 8), bias_axes="d")(h)
+    outputs = keras.layers.Dense(3)(keras.layers.Flatten()(h))
+    functional = keras.Model(inputs, outputs)
+    sequential = keras.Sequential(
+        [keras.Input((12,)), keras.layers.Dense(8), keras.layers.Dense(2)]
+    )
+    x = random_fp8_friendly(rng, (4, 5, 12))
+    for model, data in ((functional, x), (sequential, x[:, 0])):
+        exact = f8.convert_model(model, recipe=None)
+        np.testing.assert_array_equal(exact(data).numpy(), model(data).numpy())
+        converted = f8.convert_model(model, recipe=RECIPE)
+        plain = (keras.layers.Dense, keras.layers.EinsumDense)
+        old = [layer for layer in model.layers if type(layer) in plain]
+        new = [layer for layer in converted.layers if isinstance(layer, (f8.Dense, f8.EinsumDense))]
+        assert len(new) == len(old) > 0 and all(layer.recipe == RECIPE for layer in new)
+        for o, n in zip(old, new, strict=True):
+            np.testing.assert_array_equal(o.kernel.numpy(), n.kernel.numpy())
+        ref = model(data).numpy()
+        np.testing.assert_allclose(converted(data).numpy(), ref, atol=0.1 * np.abs(ref).max())
+    only_last = f8.convert_model(sequential, layer_filter=lambda layer: layer.units == 2)
+    assert [type(layer).__name__ for layer in only_last.layers] == ["Dense", "Dense"]
+    assert not isinstance(only_last.layers[0], f8.Dense) and isinstance(
+        only_last.layers[1], f8.Dense
+    )
+
+    class Sub(keras.Model):
+        def call(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="needs a Functional or Sequential model"):
+        f8.convert_model(Sub())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f8.convert_model(sequential)  # no warning on the normal path
+
+
+def test_eager_fit_updates_once_per_step(rng) -> None:
+    x, y = batches(rng, 2)
+    model = mlp()
+    model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    hist_f, _, count_f, _, _, count_b, _ = state_arrays(model.get_layer("fc1"))
+    np.testing.assert_array_equal(count_f, [2, 2, 0])
+    np.testing.assert_array_equal(count_b, [2, 0])
+    np.testing.assert_array_equal(hist_f[2:, 0], np.abs(x).reshape(2, -1).max(1))
+
+
+def test_fit_with_optimizer_gradient_accumulation_takes_the_max(rng) -> None:
+    """Optimizer and layers both accumulate 2 batches: one event per optimizer step, recording
+    the max over its two batches."""
+    x, y = batches(rng, 4)
+    with f8.autocast(recipe=RECIPE, gradient_accumulation_steps=2):
+        model = mlp(recipe=f8.UNSET)
+    model.compile(optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=2), loss="mse")
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    hist_f, _, count_f, _, _, count_b, micro = state_arrays(model.get_layer("fc1"))
+    np.testing.assert_array_equal(count_f, [2, 2, 0])
+    np.testing.assert_array_equal(count_b, [2, 0])
+    np.testing.assert_array_equal(hist_f[2:, 0], np.abs(x).reshape(2, -1).max(1))
+    assert micro == 0
