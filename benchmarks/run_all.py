@@ -12,6 +12,7 @@ BENCHMARKS = (
     "bench_update",
     "bench_memory",
     "bench_reduction",
+    "bench_keras",
 )
 
 
