@@ -10,7 +10,7 @@ import torch
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling
-from fp8kit.torch.state import registry_for
+from fp8kit.torch.state import ScalingState, registry_for, update_states
 from tests.reference import update_reference
 
 RECIPE = DelayedScaling(amax_history_len=4, margin=3)  # a registry of its own in this module
@@ -87,3 +87,39 @@ def test_a_dead_module_leaves_the_pool() -> None:
     registry = registry_for(RECIPE, None, "forward", torch.device("cpu"))
     assert registry.states() == [keep.fp8_meta.forward]
     assert keep.fp8_meta.forward.update_count[0].item() == 2
+
+
+def test_repeated_event_fast_path_notices_membership_changes() -> None:
+    """Repeated events skip registration when the same states ran (keyed by their ids); any
+    membership change in between (a state left, died, or an id was reused by a new state) must
+    send the next event through registration again."""
+    recipe = DelayedScaling(amax_history_len=3, margin=7)  # a registry of its own
+    states = [ScalingState(3, history_len=3), ScalingState(3, history_len=3)]
+    for step in range(2):  # the second event takes the fast path
+        for s in states:
+            s.record_amax(0, torch.tensor(2.0))
+        update_states(states, recipe, 448.0, direction="forward")
+        assert [s.update_count[0].item() for s in states] == [step + 1] * 2
+    registry = registry_for(recipe, None, "forward", torch.device("cpu"))
+    registry.discard(states[0])  # e.g. it ran under another recipe in between
+    for s in states:
+        s.record_amax(0, torch.tensor(2.0))
+    update_states(states, recipe, 448.0, direction="forward")
+    assert {id(s) for s in registry.states()} == {id(s) for s in states}  # re-registered
+    assert [s.update_count[0].item() for s in states] == [3, 3]
+
+
+def test_a_new_model_after_a_dead_one_is_updated() -> None:
+    """Repeated events take a fast path keyed by the states' ids; a new model built where a dead
+    one was (CPython reuses ids) must still join the pool and update. The recipe keeps the
+    modules' default history length, so no buffer is resized on the way."""
+    recipe = DelayedScaling(margin=5)  # a registry of its own; amax_history_len = the default
+    for _ in range(3):
+        model = torch.nn.Sequential(f8.Linear(8, 8), f8.Linear(8, 8))
+        for step in range(2):
+            with f8.autocast(recipe=recipe):
+                y = model(torch.randn(4, 8))
+            y.sum().backward()
+            assert [m.fp8_meta.forward.update_count[0].item() for m in model] == [step + 1] * 2
+        del model
+        gc.collect()

@@ -146,6 +146,11 @@ class ScalingState(nn.Module):
         return self
 
     @property
+    def device(self) -> torch.device:
+        """Where the buffers live (read without ``nn.Module.__getattr__``: events ask per state)."""
+        return self._buffers["amax_history"].device
+
+    @property
     def history_len(self) -> int:
         return self.amax_history.shape[0]
 

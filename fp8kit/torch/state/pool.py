@@ -71,7 +71,7 @@ class StatePool:
             self.__init__()  # type: ignore[misc]
             self._generation = buffer_generation()
             return
-        devices = {s.amax_history.device for s in states}
+        devices = {s.device for s in states}
         if len(devices) > 1:
             raise RuntimeError(  # pragma: no cover - registries are per device
                 f"fp8kit: states of one pool live on several devices: {sorted(map(str, devices))}"

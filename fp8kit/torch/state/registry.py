@@ -38,7 +38,7 @@ from fp8kit.torch import distributed
 from fp8kit.torch.distributed import Layout
 from fp8kit.torch.state.apply import NonfiniteWatch, apply_update
 from fp8kit.torch.state.binding import bind_history_len
-from fp8kit.torch.state.buffers import ScalingState
+from fp8kit.torch.state.buffers import ScalingState, buffer_generation
 from fp8kit.torch.state.pool import StatePool
 
 __all__ = ["DIRECTIONS", "StateRegistry", "registry_for", "update_states"]
@@ -70,23 +70,49 @@ def update_states(
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    key = (recipe, id(group), direction)
+    ids = tuple(map(id, states))
+    last = _last_events.get(key)
+    if (
+        last is not None
+        and last[0] == ids
+        and last[1] == buffer_generation()
+        and last[2].epoch == last[3]
+    ):
+        # The same live states as last time (the registry's membership did not change, so no id
+        # was reused), none moved or resized: one registry, every state already a member.
+        last[2].run_event(states, fmax, registered=True)
+        return
     by_device: dict[torch.device, list[ScalingState]] = {}
     for state in states:
-        by_device.setdefault(state.amax_history.device, []).append(state)
+        by_device.setdefault(state.device, []).append(state)
     # Each device has its own registry (a pool lives on one device). A device with a registry
     # but no state this time still runs its event: with reduction it is a collective.
     for device in _registry_devices(recipe, group, direction):
         by_device.setdefault(device, [])
     if not by_device:
         by_device[None] = []  # type: ignore[index]  # nothing anywhere: still take part
-    for device, ran in by_device.items():
-        registry_for(recipe, group, direction, device).run_event(ran, fmax)
+    plan = [
+        (registry_for(recipe, group, direction, device), ran) for device, ran in by_device.items()
+    ]
+    for registry, ran in plan:
+        registry.run_event(ran, fmax)
+    if len(plan) == 1:  # the common case (one device) is the one worth a fast path
+        _last_events[key] = (ids, buffer_generation(), plan[0][0], plan[0][0].epoch)
+    else:
+        _last_events.pop(key, None)
 
 
 # ---------------------------------------------------------------------------------------------
 # Persistent registries
 
 _lock = threading.Lock()
+# Per (recipe, group id, direction): the ids of the states of the last single-device event, the
+# buffer generation after it, its registry and that registry's membership epoch, so a repeated
+# event skips the grouping by device and the registration. Only ids are kept: no module is held.
+_last_events: dict[
+    tuple[DelayedScaling, int, str], tuple[tuple[int, ...], int, StateRegistry, int]
+] = {}
 # Which registry each state belongs to (a state joins at most one per direction, device).
 _membership: weakref.WeakKeyDictionary[ScalingState, StateRegistry] = weakref.WeakKeyDictionary()
 _registries: dict[tuple[DelayedScaling, int, str, torch.device | None], StateRegistry] = {}
@@ -137,6 +163,7 @@ class StateRegistry:
         self.group = group  # held strongly: its id() is part of the registry key
         self.direction = direction
         self.device = device
+        self.epoch = 0  # bumped at every membership change (join, leave, death)
         self._refs: list[weakref.ref[ScalingState]] = []
         self._num_live = 0
         self._membership_changed = True  # the pool must be rebuilt
@@ -149,6 +176,7 @@ class StateRegistry:
     def _on_death(self, _ref: weakref.ref[ScalingState]) -> None:
         self._num_live -= 1
         self._membership_changed = self._changed = True
+        self.epoch += 1
 
     def register(self, state: ScalingState) -> None:
         """Append ``state`` unless present; take it from the registry it belonged to before."""
@@ -161,6 +189,7 @@ class StateRegistry:
         self._num_live += 1
         _membership[state] = self
         self._membership_changed = self._changed = True
+        self.epoch += 1
 
     def discard(self, state: ScalingState) -> None:
         """Remove ``state`` (it now runs under another recipe or group)."""
@@ -170,6 +199,7 @@ class StateRegistry:
             self._num_live -= 1
             _membership.pop(state, None)
             self._membership_changed = self._changed = True
+            self.epoch += 1
 
     def has_states(self) -> bool:
         """Whether any live state is registered."""
@@ -187,7 +217,7 @@ class StateRegistry:
         if not (self._membership_changed or self.pool.stale()):
             return
         states = self.states()
-        moved = [s for s in states if s.amax_history.device != self.device]
+        moved = [s for s in states if s.device != self.device]
         for state in moved:  # moved to another device since it ran here: it joins that registry
             self.discard(state)
         if moved:
@@ -233,13 +263,17 @@ class StateRegistry:
             distributed.raise_event_mismatch(layout, self.group)
         return buffer[:-_TRAILER], flag > 0
 
-    def run_event(self, ran: Sequence[ScalingState], fmax: float) -> None:
+    def run_event(
+        self, ran: Sequence[ScalingState], fmax: float, *, registered: bool = False
+    ) -> None:
         """Register ``ran`` (the states that ran on this rank), reduce if needed, update all.
 
+        ``registered``: the caller knows every state of ``ran`` is a member already.
         With reduction every rank of the group must call this at the same event.
         """
-        for state in ran:
-            self.register(state)
+        if not registered:
+            for state in ran:
+                self.register(state)
         reduce = distributed.reduction_active(self.recipe, self.group)
         if not ran and not reduce:  # nothing ran here and no collective to take part in
             return
