@@ -2,8 +2,9 @@
 
 Each step quantizes ``a`` and ``b`` into E4M3 with the scales the previous step produced, runs
 the GEMM, writes its result ``c`` as FP8 with a *delayed* output scale, and returns ``c``'s amax
-so the next step's output scale can be computed. The scales come from an amax history (SPEC
-section 3) kept in an ``Fp8Meta``: slots INPUT (``a``), WEIGHT (``b``) and OUTPUT (``c``).
+so the next step's output scale can be computed. The scales come from an amax history
+(docs/semantics.md section 3) kept in an ``Fp8Meta``: slots INPUT (``a``), WEIGHT (``b``) and OUTPUT
+(``c``).
 
 Run: ``python examples/jax_low_level_delayed_scaling.py``
 """

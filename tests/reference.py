@@ -144,8 +144,8 @@ def scale_sequence(
 
 
 def current_scale_reference(amax: float, fmax: float, power_2_scale: bool = False) -> float:
-    """SPEC 2 current scaling: ``fmax / amax`` (float32), or its power-of-two floor
-    ``2**floor(log2(fmax / amax))``; 1 where the amax is 0 or not finite."""
+    """docs/semantics.md section 2 current scaling: ``fmax / amax`` (float32), or its power-of-two
+    floor ``2**floor(log2(fmax / amax))``; 1 where the amax is 0 or not finite."""
     recipe = DelayedScaling(power_2_scale=power_2_scale)
     return new_scale_reference(amax, 1.0, fmax, recipe)
 

@@ -3,7 +3,7 @@
 FP8 training with delayed scaling where FP8 state is never a parameter:
 
 * functional core: :func:`quantize` / :func:`dequantize`, the observing FP8 :func:`dot_general`,
-  a pure :func:`update` (SPEC section 3) on :class:`Fp8Meta` pytrees;
+  a pure :func:`update` (docs/semantics.md section 3) on :class:`Fp8Meta` pytrees;
 * :func:`value_and_grad`: loss, parameter gradients (no FP8 leaves) and observations;
 * Flax Linen :class:`Dense` / :class:`DenseGeneral` (collection ``"fp8_meta"``), Flax NNX
   :class:`fp8kit.jax.nnx.Linear` (variable type ``Fp8MetaVariable``);

@@ -1,4 +1,5 @@
-"""The FP8 ``dot_general`` with a custom VJP that *observes* amaxes (SPEC sections 2-4).
+"""The FP8 ``dot_general`` with a custom VJP that *observes* amaxes (docs/semantics.md
+sections 2-4).
 
 Forward: the lhs (INPUT slot) and rhs (WEIGHT slot) are quantized into the recipe's forward format
 (E4M3 under HYBRID) with the meta's delayed scales and multiplied by

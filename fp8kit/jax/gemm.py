@@ -7,7 +7,7 @@ turns into one ``__cublas$lt$matmul$f8`` call with the factor folded into the GE
 (``docs/decisions/0110-jax-fp8-gemm-lowering.md``); on a CPU XLA converts the FP8 operands to
 float32 (every FP8 value and every product of two is exact there) and runs a float32 GEMM.
 
-:func:`fp8_matmul` is the low-level API of SPEC section 7 (seed 001) on top of it.
+:func:`fp8_matmul` is the low-level API of docs/semantics.md section 7 (seed 001) on top of it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""FP8 meta: the per-module delayed-scaling state as a plain pytree (SPEC sections 3 and 6).
+"""FP8 meta: the per-module delayed-scaling state as a plain pytree (docs/semantics.md sections 3
+and 6).
 
 :class:`Fp8Meta` holds a forward and a backward :class:`ScalingState` (float32 arrays, the same
 ``(L, n)`` layout as ``fp8kit.torch``) and a float32 ``step`` counter. Its recipe and amax

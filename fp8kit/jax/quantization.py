@@ -1,9 +1,10 @@
 """FP8 quantization in JAX: :class:`Float8Array`, :func:`quantize`, :func:`dequantize`.
 
-Numerics (SPEC section 2), identical to ``fp8kit.torch``: ``q = saturate(rne(float32(x) * scale))``
-in the target FP8 type (``|x * scale| > fmax`` and ``+-inf`` map to ``+-fmax``), NaN stays NaN,
-``scale_inv = 1 / scale`` (float32, correctly rounded), and the recorded amax is ``max |x|`` of the
-unscaled input with NaN ignored (0 for an empty or all-NaN array).
+Numerics (docs/semantics.md section 2), identical to ``fp8kit.torch``:
+``q = saturate(rne(float32(x) * scale))`` in the target FP8 type (``|x * scale| > fmax`` and
+``+-inf`` map to ``+-fmax``), NaN stays NaN, ``scale_inv = 1 / scale`` (float32, correctly rounded),
+and the recorded amax is ``max |x|`` of the unscaled input with NaN ignored (0 for an empty or
+all-NaN array).
 
 Two platform facts (see ``docs/decisions/0102-jax-numerics-parity.md``):
 

@@ -1,4 +1,4 @@
-"""The delayed-scaling update rule (SPEC section 3) as pure functions on JAX arrays.
+"""The delayed-scaling update rule (docs/semantics.md section 3) as pure functions on JAX arrays.
 
 Nothing here owns state. :func:`update_scaling_state` runs one update event over a whole stacked
 buffer ``(L, N)`` (every module of one recipe and direction side by side) with a fixed number of

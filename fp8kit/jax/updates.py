@@ -1,10 +1,11 @@
 """Applying observations to FP8 meta: :func:`update`, :func:`stage`, :func:`combine_observations`.
 
-``update(meta, observations)`` is one update event of SPEC section 3 for every :class:`Fp8Meta` in
-a pytree (a Flax variable dict, a tuple ``(params, meta)``, a stacked scan of layers...). All
-metas of one (recipe, direction) are concatenated into a single ``(L, N)`` buffer and updated by
-one call of the rule, so the traced program has a fixed number of ops whatever the model size,
-and a callable ``amax_compute_algo`` sees the whole state at once, as in ``fp8kit.torch``.
+``update(meta, observations)`` is one update event of docs/semantics.md section 3 for every
+:class:`Fp8Meta` in a pytree (a Flax variable dict, a tuple ``(params, meta)``, a stacked scan of
+layers...). All metas of one (recipe, direction) are concatenated into a single ``(L, N)`` buffer
+and updated by one call of the rule, so the traced program has a fixed number of ops whatever the
+model size, and a callable ``amax_compute_algo`` sees the whole state at once, as in
+``fp8kit.torch``.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _staged(state: ScalingState, amax: jax.Array | None) -> jax.Array:
 def stage(meta_tree: Any, observations: Any) -> Any:
     """Fold observations into the staging rows (``H[0] = max(H[0], amax)``) without an event.
 
-    Several stages followed by one :func:`update` leave the maximum (SPEC section 3).
+    Several stages followed by one :func:`update` leave the maximum (docs/semantics.md section 3).
     """
     flat, treedef, obs_list = _match(meta_tree, observations)
     it = iter(obs_list)

@@ -1,4 +1,5 @@
-"""The FP8 GEMM of a Keras layer as backend-neutral ``keras.ops`` math (SPEC sections 2-4).
+"""The FP8 GEMM of a Keras layer as backend-neutral ``keras.ops`` math (docs/semantics.md
+sections 2-4).
 
 :func:`forward` quantizes the input (INPUT slot) and the kernel (WEIGHT slot) into the recipe's
 forward format with the layer's delayed scales and multiplies the dequantized float32 operands

@@ -1,4 +1,5 @@
-"""FP8 quantization written with ``keras.ops`` (SPEC section 2), for every Keras backend.
+"""FP8 quantization written with ``keras.ops`` (docs/semantics.md section 2), for every Keras
+backend.
 
 ``q = saturate(rne(float32(x) * scale))`` in the target FP8 type (``|x * scale| > fmax`` and
 ``+-inf`` map to ``+-fmax``), NaN stays NaN, ``scale_inv = 1 / scale`` (float32), and the

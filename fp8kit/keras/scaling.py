@@ -1,4 +1,4 @@
-"""The delayed-scaling update rule (SPEC section 3) written with ``keras.ops``.
+"""The delayed-scaling update rule (docs/semantics.md section 3) written with ``keras.ops``.
 
 Pure functions, nothing owns state: :func:`update_scaling_state` runs one update event over a
 stacked ``(L, N)`` buffer (a layer's forward and backward columns side by side) with a fixed

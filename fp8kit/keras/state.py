@@ -1,6 +1,6 @@
 """A Keras layer's FP8 state: non-trainable float32 variables, and the update event on them.
 
-Layout (SPEC section 3), for a layer with ``g`` GEMMs and history length ``L``:
+Layout (docs/semantics.md section 3), for a layer with ``g`` GEMMs and history length ``L``:
 
 ================================  ============  ==========================================
 variable                          shape         meaning
@@ -50,7 +50,8 @@ STATE_VARIABLES = (
 def resize_history(history: np.ndarray, length: int) -> np.ndarray:
     """``history`` ``(L, n)`` resized to ``length`` rows, keeping the staging row 0.
 
-    Shrinking keeps the newest completed entries; growing pads zeros on the older side (SPEC 6).
+    Shrinking keeps the newest completed entries; growing pads zeros on the older side
+    (docs/semantics.md section 6).
     """
     old = history.shape[0]
     if old == length:
@@ -182,7 +183,7 @@ class Fp8State:
         scales: tuple[Any, Any],
         counts: tuple[Any, Any],
     ) -> tuple[tuple[Any, Any, Any], tuple[Any, Any, Any]]:
-        """One update event of both directions (SPEC 3) on staged histories."""
+        """One update event of both directions (docs/semantics.md section 3) on staged histories."""
         recipe = self.recipe
         assert isinstance(recipe, DelayedScaling)
         f_max, b_max = recipe.fp8_format.forward.max, recipe.fp8_format.backward.max

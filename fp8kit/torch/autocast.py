@@ -1,4 +1,5 @@
-"""``f8.autocast``: where FP8 is on, and when delayed-scaling states are updated (SPEC 3, 8).
+"""``f8.autocast``: where FP8 is on, and when delayed-scaling states are updated (docs/semantics.md
+sections 3, 8).
 
 Forward states that ran (with grad enabled) inside the outermost enabled autocast are updated
 together when it exits, if grad mode is on at that moment. Backward states are updated together

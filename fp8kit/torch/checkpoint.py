@@ -1,4 +1,4 @@
-"""Checkpoint helpers for FP8 state (SPEC section 6): torch.save and DCP.
+"""Checkpoint helpers for FP8 state (docs/semantics.md section 6): torch.save and DCP.
 
 FP8 state is ordinary fixed-shape tensors in ``state_dict`` (``fp8_meta.forward.amax_history``
 ``(L, n)``, ``.scale`` ``(n,)``, ``.update_count`` ``(n,)``) plus the recipe as JSON data, so any

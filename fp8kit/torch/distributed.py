@@ -1,4 +1,5 @@
-"""Amax reduction over ``torch.distributed`` (SPEC section 5): collectives and the layout check.
+"""Amax reduction over ``torch.distributed`` (docs/semantics.md section 5): collectives and the
+layout check.
 
 The registry in :mod:`fp8kit.torch.state.registry` decides *which* states are reduced and in which
 order; this module owns everything that talks to other ranks:

@@ -3,8 +3,8 @@
 Both follow the Transformer Engine module contract: a normalisation (LayerNorm or RMSNorm) fused
 in front of one or two FP8 GEMMs, with the same autocast, checkpoint and distributed behaviour as
 :class:`fp8kit.torch.Linear`. Every GEMM goes through :func:`fp8kit.torch.linear.fp8_linear`
-with its own slots of the module's :class:`FP8Meta` (SPEC section 3: forward ``(L, 3g)``,
-backward ``(L, 2g)`` for ``g`` GEMMs).
+with its own slots of the module's :class:`FP8Meta` (docs/semantics.md section 3: forward
+``(L, 3g)``, backward ``(L, 2g)`` for ``g`` GEMMs).
 
 The normalised activation is handed straight to the GEMM, which casts it to FP8 (INPUT slot) and
 keeps only the FP8 copy for its weight gradient; eager PyTorch cannot fuse the norm and the cast
@@ -148,7 +148,8 @@ class _FP8Block(nn.Module):
     def _cached_weights(
         self, run: FP8Run, is_first_microbatch: bool | None, weights: list[torch.Tensor]
     ) -> list[Float8Tensor | None]:
-        """FP8 weights to reuse per GEMM (``is_first_microbatch`` semantics of SPEC section 4)."""
+        """FP8 weights to reuse per GEMM (``is_first_microbatch`` semantics of docs/semantics.md
+        section 4)."""
         return cached_fp8_weights(run, is_first_microbatch, weights, self._weight_cache)
 
 

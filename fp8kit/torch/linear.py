@@ -1,4 +1,5 @@
-"""``f8.Linear``: a drop-in ``torch.nn.Linear`` whose three GEMMs run in FP8 (SPEC section 4).
+"""``f8.Linear``: a drop-in ``torch.nn.Linear`` whose three GEMMs run in FP8 (docs/semantics.md
+section 4).
 
 fprop ``y = x W^T``, dgrad ``dX = dY W`` and wgrad ``dW = dY^T x`` are FP8 GEMMs with float32
 accumulation (E4M3 x E4M3 forward, E5M2 x E4M3 backward under HYBRID); the bias and every output
@@ -90,7 +91,8 @@ def cached_fp8_weights(
     weights: list[torch.Tensor],
     cache: list[Float8Tensor | None],
 ) -> list[Float8Tensor | None]:
-    """FP8 weights to reuse, one per GEMM (``is_first_microbatch`` semantics, SPEC section 4).
+    """FP8 weights to reuse, one per GEMM (``is_first_microbatch`` semantics, docs/semantics.md
+    section 4).
 
     None: nothing cached (every call quantizes and records). True: quantize now, record, and keep
     in ``cache`` (updated in place). False: reuse ``cache`` without recording.

@@ -1,8 +1,8 @@
 """FP8 quantization for PyTorch: :class:`Float8Tensor`, :func:`quantize` and the fused cast.
 
-Numerics (SPEC section 2): ``q = saturate(rne(float32(x) * scale))`` in the target FP8 type,
-NaN stays NaN, ``scale_inv = 1 / scale`` (float32, correctly rounded), and the recorded amax is
-``max |x|`` of the unscaled input with NaN ignored (0 for an empty or all-NaN tensor).
+Numerics (docs/semantics.md section 2): ``q = saturate(rne(float32(x) * scale))`` in the target FP8
+type, NaN stays NaN, ``scale_inv = 1 / scale`` (float32, correctly rounded), and the recorded amax
+is ``max |x|`` of the unscaled input with NaN ignored (0 for an empty or all-NaN tensor).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The delayed-scaling update rule (SPEC section 3) as pure functions on torch tensors.
+"""The delayed-scaling update rule (docs/semantics.md section 3) as pure functions on torch tensors.
 
 Every function here takes tensors and returns new tensors; nothing owns state. The functions work
 on a whole stacked buffer ``(L, N)`` of many modules at once with a fixed number of tensor ops.

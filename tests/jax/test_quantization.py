@@ -1,4 +1,4 @@
-"""SPEC section 2 through fp8kit.jax: quantize / dequantize / current scaling."""
+"""docs/semantics.md section 2 through fp8kit.jax: quantize / dequantize / current scaling."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Distribution: global amaxes under jit with sharded arrays, pmax under shard_map, SPEC 10.14.
+"""Distribution: global amaxes under jit with sharded arrays, pmax under shard_map,
+docs/semantics.md section 10.14.
 
 These need eight host devices. tests/jax/conftest.py asks XLA for them before jax starts; if a
 backend was already running with fewer devices, each test re-runs itself in a fresh subprocess.

@@ -1,4 +1,5 @@
-"""SPEC section 3 and worked numbers 1-10 and 13 through fp8kit.jax.update (pure, batched)."""
+"""docs/semantics.md section 3 and worked numbers 1-10 and 13 through fp8kit.jax.update (pure,
+batched)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ BELOW_448 = float(np.nextafter(F32(448), F32(0)))
 ABOVE_448 = float(np.nextafter(F32(448), F32(1e9)))
 P2 = {"power_2_scale": True}
 
-# SPEC section 10, numbers 1-10: name -> (amaxes per event (None = did not run), recipe, direction)
+# docs/semantics.md section 10, numbers 1-10: name -> (amaxes per event (None = did not run),
+# recipe, direction)
 SPEC_CASES = {
     "1": ([1, 2, 8, 3, 0.5, 0.5, 0.5, 0.5], f8.DelayedScaling(amax_history_len=4), "forward"),
     "2": (
@@ -69,7 +71,8 @@ SPEC_CASES = {
 
 @pytest.fixture(scope="module")
 def spec_runs():
-    """Every SPEC case side by side in one tree: one update() call (one program) per event."""
+    """Every worked-number case side by side in one tree: one update() call (one program) per
+    event."""
     metas = {name: f8.init_meta(1, recipe) for name, (_, recipe, _) in SPEC_CASES.items()}
     steps = max(len(a) for a, _, _ in SPEC_CASES.values())
     out = {name: {"scales": [], "states": []} for name in SPEC_CASES}

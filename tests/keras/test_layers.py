@@ -147,7 +147,8 @@ def test_training_false_and_inference_leave_state_unchanged(rng) -> None:
 
 def test_reused_layer_records_the_max_of_its_calls_in_one_event(rng) -> None:
     """A layer called twice in one traced step: one event, input amax = max of both inputs, dY
-    amax = max of both output gradients (SPEC 3 staging row), whatever the backward order."""
+    amax = max of both output gradients (docs/semantics.md section 3 staging row), whatever the
+    backward order."""
     recipe = f8.DelayedScaling(amax_history_len=3)
     w = random_fp8_friendly(rng, (8, 8), 0.1)
     layer = dense(8, w, np.zeros(8, np.float32), recipe)
@@ -186,7 +187,7 @@ def test_gradient_accumulation_takes_the_max_and_updates_every_k_passes(rng) -> 
         g = random_fp8_friendly(rng, (2, 4), 2.0**-k)
         step(tf.constant(x), tf.constant(g))
         h[0] = np.maximum(h[0], [np.abs(x).max(), np.abs(w).max(), 0, np.abs(g).max(), 0])
-        if k % 3 == 2:  # reference: one SPEC event per fmax group on the staged maximum
+        if k % 3 == 2:  # reference: one event (docs/semantics.md) per fmax group, staged max
             hf, sf, cf = update_reference(h[:, :3], s[:3], c[:3], recipe, 448.0)
             hb, sb, cb = update_reference(h[:, 3:], s[3:], c[3:], recipe, 57344.0)
             h, s, c = (

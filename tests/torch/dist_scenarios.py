@@ -98,7 +98,7 @@ def _cleanup() -> None:
 
 
 def scenario_spec14(rank: int, world: int, workdir: str) -> dict[str, Any]:
-    """SPEC 10 item 14: input amax 2 on rank 0 and 5 on rank 1."""
+    """docs/semantics.md section 10 item 14: input amax 2 on rank 0 and 5 on rank 1."""
     out = {}
     for reduce in (True, False):
         torch.manual_seed(0)

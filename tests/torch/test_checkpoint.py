@@ -1,4 +1,5 @@
-"""SPEC section 6: FP8 state in state_dict, weights_only loading, resizing, bit-exact resume."""
+"""docs/semantics.md section 6: FP8 state in state_dict, weights_only loading, resizing, bit-exact
+resume."""
 
 from __future__ import annotations
 

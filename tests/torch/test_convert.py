@@ -28,7 +28,7 @@ class Block(nn.Module):
 
 class Fp8LinearReference(nn.Module):
     """float64 model of an f8.Linear's first forward under the default recipe: both operands
-    rounded to E4M3 at scale 1 (SPEC 2), the GEMM and the bias in float64."""
+    rounded to E4M3 at scale 1 (docs/semantics.md section 2), the GEMM and the bias in float64."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()

@@ -1,9 +1,10 @@
-"""SPEC section 5 and issue 3: distributed amax reduction, DDP, FSDP2 and checkpoints (gloo, CPU).
+"""docs/semantics.md section 5 and issue 3: distributed amax reduction, DDP, FSDP2 and checkpoints
+(gloo, CPU).
 
 Each job starts its ranks once and runs several scenarios in them (``tests/torch/dist_scenarios``;
 process start-up dominates on a small machine); every test then checks its scenario's per-rank
-results in this process against references computed here (``tests.reference``, SPEC worked
-numbers) or single-process runs.
+results in this process against references computed here (``tests.reference``, docs/semantics.md
+worked numbers) or single-process runs.
 Every job has a hard time limit, so a hang fails the test instead of stalling the run.
 """
 
@@ -94,7 +95,8 @@ def test_one_all_reduce_per_direction_per_event(two: list) -> None:
 def _moe_reference(
     pattern: list, weight_amax: list[float], history_len: int = 4
 ) -> list[list[dict[str, np.ndarray]]]:
-    """Forward states per step and expert from SPEC 3/5 with tests.reference.update_reference."""
+    """Forward states per step and expert from docs/semantics.md sections 3/5 with
+    tests.reference.update_reference."""
     recipe = DelayedScaling(amax_history_len=history_len)
     n_experts = len(pattern[0][0])
     h = [np.zeros((history_len, 3), np.float32) for _ in range(n_experts)]

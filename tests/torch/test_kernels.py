@@ -371,7 +371,7 @@ def test_empty_and_all_nan(isas: list[int], dtype: torch.dtype) -> None:
 
 
 def test_spec_worked_numbers_through_cast_to_fp8() -> None:
-    """SPEC 10.11 / 10.12 through the dispatching entry point."""
+    """docs/semantics.md sections 10.11 / 10.12 through the dispatching entry point."""
     e4, _ = cast_to_fp8(
         torch.tensor([300.0, 1000.0, -17.0, 0.3, 1e-4, 3 * 2**-10]), _scale(1.0), E4M3
     )
@@ -386,7 +386,8 @@ def test_spec_worked_numbers_through_cast_to_fp8() -> None:
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_against_independent_numpy_reference(fmt: FP8Format, dtype: torch.dtype) -> None:
-    """cast_to_fp8 (native where built) against tests/reference.py, written from the SPEC."""
+    """cast_to_fp8 (native where built) against tests/reference.py, written from
+    docs/semantics.md."""
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(1500, generator=gen) * torch.logspace(-6, 6, 1500)).to(dtype)
     x[17] = float("inf")
@@ -665,7 +666,8 @@ def _check_dequant(
 
 
 def _decode_from_bit_layout(code: int, fmt: FP8Format) -> float:
-    """The value of an FP8 code from its sign / exponent / mantissa fields (SPEC section 1)."""
+    """The value of an FP8 code from its sign / exponent / mantissa fields (docs/semantics.md
+    section 1)."""
     sign = -1.0 if code & 0x80 else 1.0
     exp = (code >> fmt.mantissa_bits) & ((1 << (7 - fmt.mantissa_bits)) - 1)
     mant = code & ((1 << fmt.mantissa_bits) - 1)
@@ -889,8 +891,8 @@ def test_nan_ignoring_amax_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
 # One deterministic list of cases runs through each backend: native and reference in this
 # process, Triton under TRITON_INTERPRET=1 in a subprocess (the interpreter is chosen when the
 # kernels are defined) that saves its results for this process to check. Every result is
-# checked against tests/reference.py (numpy, written from the SPEC) and, for the FP8 bits, the
-# torch reference; see docs/decisions/0210-kernel-api-and-dispatch.md for the API.
+# checked against tests/reference.py (numpy, written from docs/semantics.md) and, for the FP8 bits,
+# the torch reference; see docs/decisions/0210-kernel-api-and-dispatch.md for the API.
 
 API_SCALES = [1.0, 448.0 / 3.0, 3.0e38, 2.0**-30, 0.7]
 U32 = 2.0**-24  # float32 unit roundoff

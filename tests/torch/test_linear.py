@@ -1,4 +1,4 @@
-"""SPEC section 4: f8.Linear's three FP8 GEMMs against float64 references."""
+"""docs/semantics.md section 4: f8.Linear's three FP8 GEMMs against float64 references."""
 
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ def _train_step(layer: f8.Linear, x: torch.Tensor, g: torch.Tensor, recipe) -> t
 def test_fprop_dgrad_wgrad_equal_the_fp8_reference(
     m: int, k: int, n: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two steps: step 1 uses scale 1, step 2 the scales produced by event 1 (SPEC 3)."""
+    """Two steps: step 1 uses scale 1, step 2 the scales produced by event 1 (docs/semantics.md
+    section 3)."""
     torch.manual_seed(m * 1000 + k * 10 + n)
     recipe = DelayedScaling(amax_history_len=16)
     layer = f8.Linear(k, n)

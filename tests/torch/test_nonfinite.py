@@ -1,5 +1,5 @@
-"""Infinite amaxes: SPEC-exact frozen scales, per-slot counts, one warning per module naming it,
-and the Inspector's count (docs/semantics.md section 9)."""
+"""Infinite amaxes: exact (docs/semantics.md) frozen scales, per-slot counts, one warning per module
+naming it, and the Inspector's count (docs/semantics.md section 9)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""SPEC section 2: quantize / dequantize / current scaling against the numpy reference."""
+"""docs/semantics.md section 2: quantize / dequantize / current scaling against the numpy
+reference."""
 
 from __future__ import annotations
 

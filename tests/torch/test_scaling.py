@@ -1,4 +1,5 @@
-"""SPEC sections 3, 9 and 10: the delayed-scaling update, through the public PyTorch API."""
+"""docs/semantics.md sections 3, 9 and 10: the delayed-scaling update, through the public PyTorch
+API."""
 
 from __future__ import annotations
 
@@ -275,6 +276,7 @@ def test_batched_update_matches_per_slot_reference(seed: int) -> None:
 
 
 def test_reference_sequences_agree_with_spec_numbers() -> None:
-    # The reference itself is checked against SPEC 10 item 1 so the two can't drift together.
+    # The reference itself is checked against docs/semantics.md section 10 item 1 so the two can't
+    # drift together.
     scales, hist = scale_sequence([1, 2, 8, 3], DelayedScaling(amax_history_len=4), 448.0)
     assert scales == f32([448, 224, 56, 56]) and hist.tolist() == [0, 2, 8, 3]

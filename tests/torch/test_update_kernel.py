@@ -1,12 +1,12 @@
-"""``fp8kit.torch.kernels.delayed_update_`` (SPEC section 3) on every backend.
+"""``fp8kit.torch.kernels.delayed_update_`` (docs/semantics.md section 3) on every backend.
 
 One deterministic list of cases (sequences of update events on random states with zero-skips,
 inf, subnormal and huge amaxes, ``ran`` masks, given staging vectors, non-finite counters) runs
 through the native library and the torch reference in this process and through the Triton
 kernel under ``TRITON_INTERPRET=1`` in a subprocess; every state after every event must equal,
 bit for bit, the numpy model: ``tests/reference.py``'s ``update_reference`` (the per-slot rule
-of SPEC section 3 in float32) wrapped with the kernel's extra inputs. The SPEC's worked numbers
-run through the same path.
+of docs/semantics.md section 3 in float32) wrapped with the kernel's extra inputs.
+docs/semantics.md's worked numbers run through the same path.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _spec_events(amaxes: list[float | None]) -> tuple[tuple[tuple[float, ...], N
     return tuple(((0.0 if a is None else a,), None, False) for a in amaxes)
 
 
-# SPEC section 10: (case, scales after each event)
+# docs/semantics.md section 10: (case, scales after each event)
 SPEC_SEQUENCES = [
     (UpdateCase("10.1", 4, 1, events=_spec_events([1, 2, 8, 3, 0.5, 0.5, 0.5, 0.5])),
      [448, 224, 56, 56, 56, 56, 149.33333, 896]),
@@ -122,7 +122,8 @@ def update_cases() -> tuple[UpdateCase, ...]:
 
 def initial_state(case: UpdateCase) -> dict[str, torch.Tensor | None]:
     """History with random completed rows (some 0, some inf), staging 0, random scales and
-    counts (so interval phases differ per slot); SPEC cases start fresh (0, scale 1, count 0)."""
+    counts (so interval phases differ per slot); worked-number cases start fresh (0, scale 1, count
+    0)."""
     n, length = case.n, case.length
     if case.name.startswith("10."):
         history = np.zeros((length, n), np.float32)
@@ -257,7 +258,8 @@ def test_update_triton_under_interpreter() -> None:
 
 @pytest.mark.parametrize("backend", [None, "reference"])
 def test_update_spec_worked_numbers(backend: str | None) -> None:
-    """SPEC section 10's sequences through delayed_update_ (the automatic backend: native here)."""
+    """docs/semantics.md section 10's sequences through delayed_update_ (the automatic backend:
+    native here)."""
     for case, scales in SPEC_SEQUENCES:
         got = [event["scale"].item() for event in run_case(case, backend)]  # type: ignore[arg-type]
         assert got == pytest.approx(scales, rel=1e-6), case.name

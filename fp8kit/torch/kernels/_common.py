@@ -142,7 +142,7 @@ def split_float32(value: float) -> tuple[int, int]:
 
 
 class UpdateConfig(NamedTuple):
-    """The resolved constants of one delayed-scaling update rule (SPEC section 3).
+    """The resolved constants of one delayed-scaling update rule (docs/semantics.md section 3).
 
     Attributes:
         fmax: largest finite value of the format (positive normal float32).

@@ -328,7 +328,7 @@ def delayed_update_(
     nonfinite_count: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> None:
-    """One delayed-scaling update event (SPEC section 3) for every column, in place.
+    """One delayed-scaling update event (docs/semantics.md section 3) for every column, in place.
 
     Column ``j``'s event value is ``r = staging[j]`` (``history[0, j]`` when ``staging`` is
     None), or 0 where ``ran[j]`` is False. Where ``r == 0`` the column is skipped: nothing of it

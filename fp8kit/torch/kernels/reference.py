@@ -2,10 +2,10 @@
 backend for everything they do not cover (other devices, ``torch.compile`` tracing, a kernel that
 failed to build or launch).
 
-Numerics (SPEC section 2): ``q = saturate(rne(float32(x) * scale))`` with NaN kept, amax =
-``max |x|`` of the unscaled input with NaN ignored; scales follow the delayed-scaling rule of
-SPEC section 3 (:func:`compute_scale`). Nothing here reads a device value into Python, so these
-functions never synchronise with a GPU.
+Numerics (docs/semantics.md section 2): ``q = saturate(rne(float32(x) * scale))`` with NaN kept,
+amax = ``max |x|`` of the unscaled input with NaN ignored; scales follow the delayed-scaling rule of
+docs/semantics.md section 3 (:func:`compute_scale`). Nothing here reads a device value into Python,
+so these functions never synchronise with a GPU.
 
 The backend functions (:func:`cast`, :func:`cast_current`, :func:`amax`,
 :func:`delayed_update`) take arguments already checked by :mod:`.dispatch`; call the public

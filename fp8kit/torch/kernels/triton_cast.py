@@ -1,9 +1,9 @@
 """Triton FP8 cast kernels for CUDA tensors (the GPU twin of ``fp8_cast.cpp``).
 
-Same numerics as :func:`fp8kit.torch.kernels.reference.cast_to_fp8_reference` (SPEC section 2),
-and the same algorithm as the C++ kernel: one float32 multiply ``x * scale``, then the float32 ->
-FP8 conversion done with integer arithmetic on the float32 bits (saturation by an integer min,
-round to nearest even for normals by adding half an ulp minus one plus the lowest kept bit,
+Same numerics as :func:`fp8kit.torch.kernels.reference.cast_to_fp8_reference` (docs/semantics.md
+section 2), and the same algorithm as the C++ kernel: one float32 multiply ``x * scale``, then the
+float32 -> FP8 conversion done with integer arithmetic on the float32 bits (saturation by an integer
+min, round to nearest even for normals by adding half an ulp minus one plus the lowest kept bit,
 subnormals by a float32 add of a magic power of two). The kernels never use Triton's float8
 types, so results do not depend on a GPU's conversion instructions, and Triton's interpreter
 (``TRITON_INTERPRET=1``, NumPy on the CPU) runs them unchanged: that is how the tests check them
@@ -131,7 +131,8 @@ if triton is not None:
 
     @triton.jit
     def scale_from_amax(amax, old, numerator, fmax_exp, fmax_mant, margin, POW2: tl.constexpr):
-        """The delayed-scaling scale rule (SPEC section 3), bit for bit the torch reference.
+        """The delayed-scaling scale rule (docs/semantics.md section 3), bit for bit the torch
+        reference.
 
         ``old`` where amax is 0, inf or NaN; else ``div_rn(numerator, amax)`` (an infinite
         quotient -> FLT_MAX), or with POW2 ``2**(e - margin)``, e the largest integer with

@@ -1,4 +1,4 @@
-"""The delayed-scaling update event as ONE Triton kernel (SPEC section 3).
+"""The delayed-scaling update event as ONE Triton kernel (docs/semantics.md section 3).
 
 ``_delayed_update_kernel``: each program owns 32 columns (slots) of the ``(L, N)`` history and
 walks its rows top to bottom in tiles of up to 64 rows, so every access is a 128-byte row
