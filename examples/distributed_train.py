@@ -35,12 +35,15 @@ def build_model(recipe: DelayedScaling, wrap: str) -> nn.Module:
     if wrap == "ddp":
         ddp_ignore_fp8_state(model)  # 3. fp8kit keeps FP8 state in sync, not DDP's broadcast
         return nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # This example trains on the CPU (gloo): say so, or fully_shard takes a CUDA mesh if it can.
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
     for layer in model:
         if isinstance(layer, f8.Linear):
-            fully_shard(layer)  # 3. shards the weights; FP8 state stays a per-rank buffer
-    return fully_shard(model)
+            fully_shard(layer, mesh=mesh)  # 3. shards the weights; FP8 state stays per rank
+    return fully_shard(model, mesh=mesh)
 
 
 def fp8_state_checksum(model: nn.Module) -> torch.Tensor:

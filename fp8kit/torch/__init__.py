@@ -10,6 +10,7 @@ from fp8kit.torch.checkpoint import (
     from_per_rank_fp8_state_dict,
     init_fp8_state,
     per_rank_fp8_state_dict,
+    plain_state_dict,
 )
 from fp8kit.torch.convert import convert_model
 from fp8kit.torch.ddp import ddp_ignore_fp8_state
@@ -48,6 +49,7 @@ __all__ = [
     "init_fp8_state",
     "is_fp8_enabled",
     "per_rank_fp8_state_dict",
+    "plain_state_dict",
     "quantize",
     "quantize_current",
     "scaled_mm",

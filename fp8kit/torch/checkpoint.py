@@ -21,12 +21,14 @@ from torch import nn
 
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch.state import FP8Meta, bind_recipe
+from fp8kit.torch.state.buffers import FP8_STATE_KEY
 
 __all__ = [
     "fp8_metas",
     "from_per_rank_fp8_state_dict",
     "init_fp8_state",
     "per_rank_fp8_state_dict",
+    "plain_state_dict",
 ]
 
 
@@ -35,6 +37,18 @@ def fp8_metas(model: nn.Module) -> list[tuple[str, FP8Meta]]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     return [(name, m) for name, m in model.named_modules() if isinstance(m, FP8Meta)]
+
+
+def plain_state_dict(model: nn.Module) -> dict[str, Any]:
+    """``model.state_dict()`` without FP8 state: the weights as the unconverted model has them.
+
+    Loads with ``strict=True`` into the model before :func:`~fp8kit.torch.convert_model`, for
+    tools that know only ``torch.nn.Linear``. (The other way round needs nothing: a converted
+    model loads a plain state_dict and starts with fresh FP8 state.)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return {k: v for k, v in model.state_dict().items() if not FP8_STATE_KEY.search(k)}
 
 
 def init_fp8_state(model: nn.Module, recipe: DelayedScaling | None = None) -> nn.Module:

@@ -1,8 +1,13 @@
-"""``convert_model``: swap every plain ``torch.nn.Linear`` of a model for ``f8.Linear``."""
+"""``convert_model``: swap every plain ``torch.nn.Linear`` of a model for ``f8.Linear``.
+
+What it converted and what it left (and why) goes to the ``fp8kit`` logger at INFO level.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import fnmatch
+import logging
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
@@ -12,9 +17,10 @@ from fp8kit.torch.state import FP8Meta
 __all__ = ["convert_model"]
 
 ModuleFilter = Callable[[nn.Module, str], bool]
+logger = logging.getLogger("fp8kit")
 
 
-def _to_fp8_linear(old: nn.Linear) -> Linear:
+def _to_fp8_linear(old: nn.Linear, fqn: str) -> Linear:
     new = Linear(
         old.in_features,
         old.out_features,
@@ -25,12 +31,48 @@ def _to_fp8_linear(old: nn.Linear) -> Linear:
     # Keep the very same Parameter objects: optimizers and tied weights stay valid.
     new.weight = old.weight
     new.bias = old.bias
-    new.fp8_meta = FP8Meta(num_gemms=1, device=old.weight.device)
+    new.fp8_meta = FP8Meta(num_gemms=1, device=old.weight.device, label=fqn or "Linear")
     new.train(old.training)
     return new
 
 
-def convert_model(model: nn.Module, *, module_filter: ModuleFilter | None = None) -> nn.Module:
+def _check_patterns(keep_high_precision: object) -> tuple[str, ...]:
+    if keep_high_precision is None:
+        return ()
+    if isinstance(keep_high_precision, str):
+        return (keep_high_precision,)
+    if isinstance(keep_high_precision, Sequence) and all(
+        isinstance(p, str) for p in keep_high_precision
+    ):
+        return tuple(keep_high_precision)
+    raise TypeError(
+        "keep_high_precision must be None, a module-name pattern (str, fnmatch style, e.g. "
+        f"'lm_head' or '*.classifier') or a sequence of them, got {keep_high_precision!r}"
+    )
+
+
+def _skip_reason(
+    module: nn.Module, fqn: str, patterns: tuple[str, ...], module_filter: ModuleFilter | None
+) -> str | None:
+    """Why a Linear-like ``module`` stays in high precision, or None to convert it."""
+    if isinstance(module, Linear):
+        return "already an f8.Linear"
+    if type(module) is not nn.Linear:
+        return f"a {type(module).__name__}, not exactly torch.nn.Linear (its forward may differ)"
+    matched = [p for p in patterns if fnmatch.fnmatchcase(fqn, p)]
+    if matched:
+        return f"keep_high_precision pattern {matched[0]!r}"
+    if module_filter is not None and not module_filter(module, fqn):
+        return "module_filter returned False"
+    return None
+
+
+def convert_model(
+    model: nn.Module,
+    *,
+    module_filter: ModuleFilter | None = None,
+    keep_high_precision: str | Sequence[str] | None = None,
+) -> nn.Module:
     """Replace every ``torch.nn.Linear`` in ``model`` (in place) with :class:`f8.Linear`.
 
     Args:
@@ -38,24 +80,61 @@ def convert_model(model: nn.Module, *, module_filter: ModuleFilter | None = None
             subclasses (e.g. attention ``out_proj``) may rely on their own forward and are left.
         module_filter: ``(module, fully_qualified_name) -> bool``; a Linear is converted only if it
             returns True (the torchao convention).
+        keep_high_precision: qualified module names to leave in high precision, as ``fnmatch``
+            patterns (``"lm_head"``, ``"*.classifier"``, ``"blocks.0.*"``): the usual choice for
+            the output layer, whose logits feed the loss directly.
 
     Returns:
         ``model`` itself, or a new :class:`f8.Linear` when ``model`` is a bare ``nn.Linear``.
         Parameters are the same objects as before (no copy), so existing optimizers keep working.
+        Each converted module's FP8 state is labelled with its qualified name (warnings name it).
+        The ``fp8kit`` logger lists the converted modules and every Linear-like module left
+        (INFO).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if module_filter is not None and not callable(module_filter):
         raise TypeError("module_filter must be None or a callable (module, fqn) -> bool")
+    patterns = _check_patterns(keep_high_precision)
 
-    def wanted(module: nn.Module, fqn: str) -> bool:
-        return type(module) is nn.Linear and (module_filter is None or module_filter(module, fqn))
-
-    if wanted(model, ""):
-        return _to_fp8_linear(model)  # type: ignore[arg-type]
-    for fqn, parent in list(model.named_modules()):
+    if isinstance(model, nn.Linear) and _skip_reason(model, "", patterns, module_filter) is None:
+        logger.info("fp8kit.convert_model: converted the model itself (an nn.Linear)")
+        return _to_fp8_linear(model, "")
+    converted: list[str] = []
+    left: list[str] = []
+    reasons: dict[str, str] = {}
+    modules = list(model.named_modules(remove_duplicate=False))
+    order = {fqn: i for i, (fqn, _) in enumerate(modules)}  # report in model order
+    for fqn, parent in modules:
         for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
             child_fqn = f"{fqn}.{name}" if fqn else name
-            if wanted(child, child_fqn):
-                setattr(parent, name, _to_fp8_linear(child))  # type: ignore[arg-type]
+            reason = _skip_reason(child, child_fqn, patterns, module_filter)
+            if reason is None:
+                setattr(parent, name, _to_fp8_linear(child, child_fqn))
+                converted.append(child_fqn)
+            else:
+                left.append(child_fqn)
+                reasons[child_fqn] = reason
+    converted.sort(key=order.__getitem__)
+    left.sort(key=order.__getitem__)
+    logger.info(
+        "fp8kit.convert_model: converted %d Linear module(s) to f8.Linear: %s",
+        len(converted),
+        ", ".join(converted) or "none",
+    )
+    if left:
+        logger.info(
+            "fp8kit.convert_model: left %d Linear-like module(s) in high precision: %s",
+            len(left),
+            "; ".join(f"{fqn} ({reasons[fqn]})" for fqn in left),
+        )
+    unused = [
+        p for p in patterns if not any(fnmatch.fnmatchcase(f, p) for f, _ in model.named_modules())
+    ]
+    if unused:
+        logger.warning(
+            "fp8kit.convert_model: keep_high_precision pattern(s) %s matched no module", unused
+        )
     return model

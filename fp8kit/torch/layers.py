@@ -28,6 +28,7 @@ from fp8kit.torch.linear import (
     check_is_first_microbatch,
     fp8_linear,
     fp8_run_for,
+    resolve_params_dtype,
 )
 from fp8kit.torch.quantization import Float8Tensor
 from fp8kit.torch.quantizer import FP8Run
@@ -169,7 +170,7 @@ class LayerNormLinear(_FP8Block):
         bias: learn the Linear's additive bias ``b``.
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
         eps: added to the variance (mean square for RMSNorm) for stability.
-        device, dtype: of the parameters and FP8 state.
+        device, dtype: of the parameters and FP8 state (``params_dtype``: TE's name for dtype).
 
     Shapes: ``x`` ``(*, in_features)`` -> ``y`` ``(*, out_features)``.
     State: ``fp8_meta`` with one GEMM (forward ``(L, 3)``, backward ``(L, 2)``), as
@@ -189,8 +190,10 @@ class LayerNormLinear(_FP8Block):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        params_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        dtype = resolve_params_dtype(dtype, params_dtype)
         self.in_features = _check_features("in_features", in_features)
         self.out_features = _check_features("out_features", out_features)
         _check_bool("bias", bias)
@@ -254,7 +257,7 @@ class LayerNormMLP(_FP8Block):
         activation: ``"gelu"`` (exact erf form), ``"relu"`` or ``"swiglu"``.
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
         eps: added to the variance (mean square for RMSNorm).
-        device, dtype: of the parameters and FP8 state.
+        device, dtype: of the parameters and FP8 state (``params_dtype``: TE's name for dtype).
 
     Parameters: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only), ``fc1_weight``
     ``(ffn or 2*ffn, hidden)``, ``fc1_bias``, ``fc2_weight`` ``(hidden, ffn)``, ``fc2_bias``.
@@ -275,8 +278,10 @@ class LayerNormMLP(_FP8Block):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        params_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        dtype = resolve_params_dtype(dtype, params_dtype)
         self.hidden_size = _check_features("hidden_size", hidden_size)
         self.ffn_hidden_size = _check_features("ffn_hidden_size", ffn_hidden_size)
         _check_bool("bias", bias)

@@ -29,6 +29,7 @@ __all__ = [
     "fp8_linear",
     "fp8_run_for",
     "prepare_run",
+    "resolve_params_dtype",
 ]
 
 
@@ -51,6 +52,22 @@ def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> 
         bind_recipe(meta, recipe)
     training = settings.calibrating or torch.is_grad_enabled()
     return FP8Run(cache["plan"], settings.group, meta, training, settings.fp8)
+
+
+def resolve_params_dtype(
+    dtype: torch.dtype | None, params_dtype: torch.dtype | None
+) -> torch.dtype | None:
+    """``dtype``, or Transformer Engine's spelling ``params_dtype`` of the same argument."""
+    if params_dtype is None:
+        return dtype
+    if not isinstance(params_dtype, torch.dtype):
+        raise TypeError(f"params_dtype must be a torch.dtype or None, got {params_dtype!r}")
+    if dtype is not None and dtype != params_dtype:
+        raise ValueError(
+            f"dtype={dtype} and params_dtype={params_dtype} disagree: params_dtype is Transformer "
+            "Engine's name for dtype, give one of them"
+        )
+    return params_dtype
 
 
 def check_is_first_microbatch(value: object) -> None:
@@ -315,6 +332,7 @@ class Linear(nn.Linear):
 
     Args:
         in_features, out_features, bias, device, dtype: as ``torch.nn.Linear``.
+        params_dtype: Transformer Engine's name for ``dtype`` (give one of them).
         fp8_output: also pass the output through FP8 (E4M3, forward OUTPUT slot) and record its
             amax; the returned tensor is the dequantized high-precision value.
         fp8_grad: likewise for the input gradient (E5M2 under HYBRID, backward GRAD_INPUT slot).
@@ -332,9 +350,11 @@ class Linear(nn.Linear):
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        params_dtype: torch.dtype | None = None,
         fp8_output: bool = False,
         fp8_grad: bool = False,
     ) -> None:
+        dtype = resolve_params_dtype(dtype, params_dtype)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         for name, flag in (("fp8_output", fp8_output), ("fp8_grad", fp8_grad)):
             if not isinstance(flag, bool):

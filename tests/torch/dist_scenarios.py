@@ -349,6 +349,14 @@ def scenario_ddp_independent(rank: int, world: int, workdir: str) -> dict[str, A
     return {"run": run, "ignored": ignored}
 
 
+def _cpu_mesh(world: int) -> Any:
+    """A CPU device mesh: without one, ``fully_shard`` picks a CUDA mesh whenever CUDA is
+    available and moves the model to cuda:0 while these scenarios' data stays on the CPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
 def scenario_fsdp2(rank: int, world: int, workdir: str) -> dict[str, Any]:
     """FSDP2 (fully_shard per Linear and at the root) with reduce_amax=True."""
     from torch.distributed.fsdp import fully_shard
@@ -356,10 +364,11 @@ def scenario_fsdp2(rank: int, world: int, workdir: str) -> dict[str, Any]:
     recipe = _recipe(12)
     torch.manual_seed(0)
     model = f8.convert_model(mlp())
+    mesh = _cpu_mesh(world)
     for layer in model:
         if isinstance(layer, f8.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     x, t = shard(rank, world)
     run = _train(model, recipe, x, t, 3, _full_grads)
     del model
@@ -410,13 +419,15 @@ def scenario_dcp_fsdp2(rank: int, world: int, workdir: str) -> dict[str, Any]:
 
     recipe = _recipe(15)
 
+    mesh = _cpu_mesh(world)
+
     def build(seed: int) -> nn.Module:
         torch.manual_seed(seed)
         model = init_fp8_state(f8.convert_model(mlp()), recipe)
         for layer in model:
             if isinstance(layer, f8.Linear):
-                fully_shard(layer)
-        return fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
 
     model = build(0)
     _steps(model, recipe, rank, 0, 2)

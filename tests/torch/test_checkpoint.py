@@ -128,3 +128,44 @@ def test_state_moves_with_the_module_and_survives_reset_parameters() -> None:
     layer.reset_parameters()
     assert layer.fp8_meta.forward.scale.tolist() == [1.0, 1.0, 1.0]
     assert layer.fp8_meta.forward.amax_history.abs().sum().item() == 0
+
+
+def _plain_and_converted() -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(3)
+    plain = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    torch.manual_seed(4)
+    converted = f8.convert_model(
+        torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    )
+    return plain, converted
+
+
+def test_converted_model_loads_a_plain_state_dict_strictly(caplog) -> None:
+    plain, converted = _plain_and_converted()
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        converted(torch.randn(4, 16)).sum().backward()
+    before = converted[0].fp8_meta.forward.amax_history.clone()
+    with caplog.at_level("INFO", logger="fp8kit"):
+        result = converted.load_state_dict(plain.state_dict(), strict=True)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    for a, b in zip(plain.parameters(), converted.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # the FP8 state the checkpoint does not have is left as it was (fresh for a fresh model)
+    assert torch.equal(converted[0].fp8_meta.forward.amax_history, before)
+    bad = dict(plain.state_dict())
+    del bad["0.weight"]
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "0.weight"'):
+        converted.load_state_dict(bad, strict=True)
+
+
+def test_plain_state_dict_loads_into_the_unconverted_model() -> None:
+    plain, converted = _plain_and_converted()
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        converted(torch.randn(4, 16)).sum().backward()
+    sd = f8.plain_state_dict(converted)
+    assert sorted(sd) == sorted(plain.state_dict())
+    plain.load_state_dict(sd, strict=True)
+    for a, b in zip(plain.parameters(), converted.parameters(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
+        f8.plain_state_dict({"a": 1})  # type: ignore[arg-type]

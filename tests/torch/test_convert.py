@@ -104,3 +104,61 @@ def test_bad_arguments() -> None:
         f8.convert_model("model")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="module_filter must be None or a callable"):
         f8.convert_model(nn.Linear(2, 2), module_filter=3)  # type: ignore[arg-type]
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+        self.lm_head = nn.Linear(16, 40)
+        self.classifier = nn.Linear(16, 3)
+
+
+def test_convert_logs_what_it_converted_and_what_it_left(caplog) -> None:
+    model = Net()
+    with caplog.at_level("INFO", logger="fp8kit"):
+        f8.convert_model(model, keep_high_precision=["lm_head", "*.missing"])
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "converted 3 Linear module(s) to f8.Linear: block.fc1, block.fc2, classifier" in text
+    assert "block.attn.out_proj (a NonDynamicallyQuantizableLinear, not exactly" in text
+    assert "; lm_head (keep_high_precision pattern 'lm_head')" in text
+    assert "pattern(s) ['*.missing'] matched no module" in text
+    assert type(model.lm_head) is nn.Linear and isinstance(model.classifier, f8.Linear)
+    assert model.block.fc1.fp8_meta.forward.label == "block.fc1.forward"
+    with caplog.at_level("INFO", logger="fp8kit"):
+        caplog.clear()
+        f8.convert_model(model)  # a second pass converts nothing and says why
+    assert "block.fc1 (already an f8.Linear)" in "\n".join(r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("patterns", [["*head", "classifier"], "*head"])
+def test_keep_high_precision_takes_fnmatch_patterns(patterns) -> None:
+    model = f8.convert_model(Net(), keep_high_precision=patterns)
+    assert type(model.lm_head) is nn.Linear
+    assert isinstance(model.classifier, f8.Linear) == (patterns == "*head")
+
+
+@pytest.mark.parametrize("bad", [3, ["lm_head", 3], {"lm_head": 1}.values()])
+def test_bad_keep_high_precision_names_the_parameter(bad) -> None:
+    with pytest.raises(TypeError, match="keep_high_precision must be None, a module-name pattern"):
+        f8.convert_model(Net(), keep_high_precision=bad)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda **kw: f8.Linear(16, 8, **kw),
+        lambda **kw: f8.LayerNormLinear(16, 8, **kw),
+        lambda **kw: f8.LayerNormMLP(16, 32, **kw),
+    ],
+    ids=["Linear", "LayerNormLinear", "LayerNormMLP"],
+)
+def test_params_dtype_is_te_spelling_of_dtype(make) -> None:
+    module = make(params_dtype=torch.bfloat16)
+    assert {p.dtype for p in module.parameters()} == {torch.bfloat16}
+    same = make(dtype=torch.bfloat16, params_dtype=torch.bfloat16)
+    assert {p.dtype for p in same.parameters()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match=r"dtype=torch\.float32 and params_dtype=torch\.bfloat16"):
+        make(dtype=torch.float32, params_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"params_dtype must be a torch\.dtype or None"):
+        make(params_dtype="bf16")

@@ -8,6 +8,8 @@ fixed shapes (``fp8_meta.forward.amax_history`` ...) and load with ``weights_onl
 
 from __future__ import annotations
 
+import logging
+import re
 import warnings
 from typing import Any
 
@@ -32,6 +34,11 @@ __all__ = [
 DEFAULT_HISTORY_LEN: int = DelayedScaling.__dataclass_fields__["amax_history_len"].default
 BUFFER_NAMES = ("amax_history", "scale", "scale_inv", "update_count", "nonfinite_count")
 _EXTRA_STATE_VERSION = 1
+# State-dict keys of FP8 state (persistent buffers and the recorded recipe) under any prefix.
+FP8_STATE_KEY = re.compile(
+    r"(^|\.)fp8_meta\.(forward|backward)\.(amax_history|scale|update_count|_extra_state)$"
+)
+_logged_fresh_state = [False]
 
 # Bumped whenever a ScalingState replaces a buffer tensor (assignment, .to(), load with another
 # history length), so a pool can tell cheaply whether its members may have left it.
@@ -286,6 +293,7 @@ class FP8Meta(nn.Module):
         self._modules["backward"] = ScalingState(
             2 * num_gemms, history_len, device, f"{label}.backward" if label else "backward"
         )
+        self.register_load_state_dict_post_hook(_missing_fp8_state_is_fresh_state)
 
     def set_label(self, label: str) -> None:
         """Name the owner in messages (``convert_model`` uses the module's qualified name)."""
@@ -299,3 +307,26 @@ class FP8Meta(nn.Module):
     @property
     def backward(self) -> ScalingState:
         return self._modules["backward"]  # type: ignore[return-value]
+
+
+def _missing_fp8_state_is_fresh_state(module: nn.Module, incompatible: Any) -> None:
+    """Load-state-dict post hook: a checkpoint without FP8 state (a plain PyTorch model's)
+    loads into a converted model with ``strict=True``; its FP8 modules keep fresh state.
+
+    Only FP8 state keys are dropped from ``missing_keys``; every other missing key still fails
+    a strict load. Said once per process in the ``fp8kit`` log (INFO).
+    """
+    missing = incompatible.missing_keys
+    fp8 = [k for k in missing if FP8_STATE_KEY.search(k)]
+    if not fp8:
+        return
+    for key in fp8:
+        missing.remove(key)
+    if not _logged_fresh_state[0]:
+        _logged_fresh_state[0] = True
+        logging.getLogger("fp8kit").info(
+            "fp8kit: the loaded state_dict has no FP8 state for %d key(s) (e.g. %s): those FP8 "
+            "modules keep fresh state (history 0, scale 1); said once per process",
+            len(fp8),
+            fp8[0],
+        )
