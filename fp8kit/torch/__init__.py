@@ -5,6 +5,7 @@ Delayed-scaling FP8 training: :class:`autocast`, the drop-in :class:`Linear`,
 """
 
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
+from fp8kit.torch.attention import MultiheadAttention
 from fp8kit.torch.autocast import autocast, current_recipe, fp8_autocast, is_fp8_enabled
 from fp8kit.torch.checkpoint import (
     from_per_rank_fp8_state_dict,
@@ -21,6 +22,7 @@ from fp8kit.torch.layers import LayerNormLinear, LayerNormMLP
 from fp8kit.torch.linear import Linear
 from fp8kit.torch.quantization import Float8Tensor, dequantize, quantize, quantize_current
 from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, NonfiniteAmaxWarning, ScalingState
+from fp8kit.torch.transformer import TransformerLayer
 
 __all__ = [
     "AmaxReductionError",
@@ -36,8 +38,10 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "MultiheadAttention",
     "NonfiniteAmaxWarning",
     "ScalingState",
+    "TransformerLayer",
     "autocast",
     "convert_model",
     "current_recipe",

@@ -1,4 +1,5 @@
-"""``convert_model``: swap every plain ``torch.nn.Linear`` of a model for ``f8.Linear``.
+"""``convert_model``: swap every plain ``torch.nn.Linear`` / ``nn.MultiheadAttention`` of a model
+for its FP8 counterpart.
 
 What it converted and what it left (and why) goes to the ``fp8kit`` logger at INFO level.
 """
@@ -11,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
+from fp8kit.torch.attention import MultiheadAttention, to_fp8_attention
 from fp8kit.torch.linear import Linear
 from fp8kit.torch.state import FP8Meta
 
@@ -54,11 +56,12 @@ def _check_patterns(keep_high_precision: object) -> tuple[str, ...]:
 def _skip_reason(
     module: nn.Module, fqn: str, patterns: tuple[str, ...], module_filter: ModuleFilter | None
 ) -> str | None:
-    """Why a Linear-like ``module`` stays in high precision, or None to convert it."""
-    if isinstance(module, Linear):
-        return "already an f8.Linear"
-    if type(module) is not nn.Linear:
-        return f"a {type(module).__name__}, not exactly torch.nn.Linear (its forward may differ)"
+    """Why a Linear-like or attention ``module`` stays in high precision, or None to convert it."""
+    if isinstance(module, (Linear, MultiheadAttention)):
+        return f"already an f8.{type(module).__name__}"
+    if type(module) not in (nn.Linear, nn.MultiheadAttention):
+        base = "Linear" if isinstance(module, nn.Linear) else "MultiheadAttention"
+        return f"a {type(module).__name__}, not exactly torch.nn.{base} (its forward may differ)"
     matched = [p for p in patterns if fnmatch.fnmatchcase(fqn, p)]
     if matched:
         return f"keep_high_precision pattern {matched[0]!r}"
@@ -73,11 +76,13 @@ def convert_model(
     module_filter: ModuleFilter | None = None,
     keep_high_precision: str | Sequence[str] | None = None,
 ) -> nn.Module:
-    """Replace every ``torch.nn.Linear`` in ``model`` (in place) with :class:`f8.Linear`.
+    """Replace every ``torch.nn.Linear`` (``torch.nn.MultiheadAttention``) in ``model``, in place,
+    with :class:`f8.Linear` (:class:`f8.MultiheadAttention`).
 
     Args:
-        model: any module. Only modules whose type is exactly ``torch.nn.Linear`` are replaced:
-            subclasses (e.g. attention ``out_proj``) may rely on their own forward and are left.
+        model: any module. Only modules whose type is exactly ``torch.nn.Linear`` or
+            ``torch.nn.MultiheadAttention`` are replaced: subclasses may rely on their own forward
+            and are left (an attention's ``out_proj`` runs in FP8 inside the FP8 attention).
         module_filter: ``(module, fully_qualified_name) -> bool``; a Linear is converted only if it
             returns True (the torchao convention).
         keep_high_precision: qualified module names to leave in high precision, as ``fnmatch``
@@ -105,14 +110,21 @@ def convert_model(
     reasons: dict[str, str] = {}
     modules = list(model.named_modules(remove_duplicate=False))
     order = {fqn: i for i, (fqn, _) in enumerate(modules)}  # report in model order
+    fp8_attention: set[str] = set()  # their out_proj runs in FP8 inside them
     for fqn, parent in modules:
+        if fqn in fp8_attention or isinstance(parent, MultiheadAttention):
+            continue
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
+            if not isinstance(child, (nn.Linear, nn.MultiheadAttention)):
                 continue
             child_fqn = f"{fqn}.{name}" if fqn else name
             reason = _skip_reason(child, child_fqn, patterns, module_filter)
             if reason is None:
-                setattr(parent, name, _to_fp8_linear(child, child_fqn))
+                if isinstance(child, nn.MultiheadAttention):
+                    setattr(parent, name, to_fp8_attention(child, child_fqn))
+                    fp8_attention.add(child_fqn)
+                else:
+                    setattr(parent, name, _to_fp8_linear(child, child_fqn))
                 converted.append(child_fqn)
             else:
                 left.append(child_fqn)
@@ -120,13 +132,14 @@ def convert_model(
     converted.sort(key=order.__getitem__)
     left.sort(key=order.__getitem__)
     logger.info(
-        "fp8kit.convert_model: converted %d Linear module(s) to f8.Linear: %s",
+        "fp8kit.convert_model: converted %d module(s) to FP8: %s",
         len(converted),
         ", ".join(converted) or "none",
     )
     if left:
         logger.info(
-            "fp8kit.convert_model: left %d Linear-like module(s) in high precision: %s",
+            "fp8kit.convert_model: left %d Linear-like or attention module(s) in high "
+            "precision: %s",
             len(left),
             "; ".join(f"{fqn} ({reasons[fqn]})" for fqn in left),
         )

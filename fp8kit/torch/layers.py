@@ -44,7 +44,7 @@ ACTIVATIONS = ("gelu", "relu", "swiglu")
 # Argument checks (errors at the boundary, naming the parameter)
 
 
-def _check_features(name: str, value: Any) -> int:
+def check_features(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be a positive int, got {value!r}")
     if value < 1:
@@ -52,13 +52,13 @@ def _check_features(name: str, value: Any) -> int:
     return value
 
 
-def _check_bool(name: str, value: Any) -> bool:
+def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return value
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{name} must be one of {list(choices)}, got {value!r}")
     for choice in choices:
@@ -67,7 +67,7 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
-def _check_eps(value: Any) -> float:
+def check_eps(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"eps must be a positive float, got {value!r}")
     if not (math.isfinite(value) and value > 0):
@@ -194,11 +194,11 @@ class LayerNormLinear(_FP8Block):
     ) -> None:
         super().__init__()
         dtype = resolve_params_dtype(dtype, params_dtype)
-        self.in_features = _check_features("in_features", in_features)
-        self.out_features = _check_features("out_features", out_features)
-        _check_bool("bias", bias)
-        self.normalization = _check_choice("normalization", normalization, NORMALIZATIONS)
-        self.eps = _check_eps(eps)
+        self.in_features = check_features("in_features", in_features)
+        self.out_features = check_features("out_features", out_features)
+        check_bool("bias", bias)
+        self.normalization = check_choice("normalization", normalization, NORMALIZATIONS)
+        self.eps = check_eps(eps)
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.layer_norm_weight = nn.Parameter(torch.empty(in_features, **kw))
         if self.normalization == "LayerNorm":
@@ -282,12 +282,12 @@ class LayerNormMLP(_FP8Block):
     ) -> None:
         super().__init__()
         dtype = resolve_params_dtype(dtype, params_dtype)
-        self.hidden_size = _check_features("hidden_size", hidden_size)
-        self.ffn_hidden_size = _check_features("ffn_hidden_size", ffn_hidden_size)
-        _check_bool("bias", bias)
-        self.activation = _check_choice("activation", activation, ACTIVATIONS)
-        self.normalization = _check_choice("normalization", normalization, NORMALIZATIONS)
-        self.eps = _check_eps(eps)
+        self.hidden_size = check_features("hidden_size", hidden_size)
+        self.ffn_hidden_size = check_features("ffn_hidden_size", ffn_hidden_size)
+        check_bool("bias", bias)
+        self.activation = check_choice("activation", activation, ACTIVATIONS)
+        self.normalization = check_choice("normalization", normalization, NORMALIZATIONS)
+        self.eps = check_eps(eps)
         fc1_out = 2 * ffn_hidden_size if self.activation == "swiglu" else ffn_hidden_size
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, **kw))

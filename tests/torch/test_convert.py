@@ -60,10 +60,13 @@ def test_converts_every_plain_linear_and_keeps_parameters() -> None:
     params_before = {name: p for name, p in model.named_parameters()}
     x = torch.randn(2, 5, 16)
     y_before = model(x)
-    assert f8.convert_model(model) is model
+    # The attention is kept out here (its FP8 path is tests/torch/test_attention.py's subject),
+    # so the float64 reference below holds only Linear layers.
+    assert f8.convert_model(model, keep_high_precision="*.attn") is model
     assert type(model[0].fc1) is f8.Linear and type(model[0].fc2) is f8.Linear
     assert type(model[1][0]) is f8.Linear
     assert model[0].fc2.bias is None
+    assert type(model[0].attn) is nn.MultiheadAttention
     assert type(model[0].attn.out_proj) is not f8.Linear  # subclass with its own use: left alone
     for name, p in model.named_parameters():
         assert p is params_before[name], name  # same objects: optimizers stay valid
@@ -119,11 +122,12 @@ def test_convert_logs_what_it_converted_and_what_it_left(caplog) -> None:
     with caplog.at_level("INFO", logger="fp8kit"):
         f8.convert_model(model, keep_high_precision=["lm_head", "*.missing"])
     text = "\n".join(r.getMessage() for r in caplog.records)
-    assert "converted 3 Linear module(s) to f8.Linear: block.fc1, block.fc2, classifier" in text
-    assert "block.attn.out_proj (a NonDynamicallyQuantizableLinear, not exactly" in text
-    assert "; lm_head (keep_high_precision pattern 'lm_head')" in text
+    # the attention (with its out_proj) is converted as a whole: its out_proj is not "left"
+    assert "converted 4 module(s) to FP8: block.attn, block.fc1, block.fc2, classifier" in text
+    assert "in high precision: lm_head (keep_high_precision pattern 'lm_head')" in text
     assert "pattern(s) ['*.missing'] matched no module" in text
     assert type(model.lm_head) is nn.Linear and isinstance(model.classifier, f8.Linear)
+    assert isinstance(model.block.attn, f8.MultiheadAttention)
     assert model.block.fc1.fp8_meta.forward.label == "block.fc1.forward"
     with caplog.at_level("INFO", logger="fp8kit"):
         caplog.clear()
@@ -162,3 +166,12 @@ def test_params_dtype_is_te_spelling_of_dtype(make) -> None:
         make(dtype=torch.float32, params_dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"params_dtype must be a torch\.dtype or None"):
         make(params_dtype="bf16")
+
+
+def test_linear_subclasses_are_left_and_said_so(caplog) -> None:
+    model = nn.Sequential(nn.modules.linear.NonDynamicallyQuantizableLinear(4, 4), nn.Linear(4, 4))
+    with caplog.at_level("INFO", logger="fp8kit"):
+        f8.convert_model(model)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "0 (a NonDynamicallyQuantizableLinear, not exactly torch.nn.Linear" in text
+    assert type(model[0]) is nn.modules.linear.NonDynamicallyQuantizableLinear

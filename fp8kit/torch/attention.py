@@ -1,0 +1,263 @@
+"""``f8.MultiheadAttention``: ``torch.nn.MultiheadAttention`` with FP8 projections.
+
+Inside an enabled :class:`fp8kit.torch.autocast` the input projection (one packed q/k/v GEMM for
+self-attention, three GEMMs otherwise) and the output projection are FP8 GEMMs on the module's
+own parameters; the attention core (``scaled_dot_product_attention``, or the explicit softmax when
+``need_weights=True``) runs in high precision. Outside it the module *is*
+``torch.nn.MultiheadAttention``. Masks, ``batch_first``, ``add_bias_kv``, ``add_zero_attn``,
+dropout and the returned weights follow PyTorch's definitions (docs/te_modules.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8kit.torch.linear import fp8_linear, fp8_run_for, resolve_params_dtype
+from fp8kit.torch.quantizer import FP8Run
+from fp8kit.torch.state import FP8Meta
+
+__all__ = ["MultiheadAttention", "to_fp8_attention"]
+
+# GEMM indices of the FP8 state (forward slots 3g.., backward 2g..): q (or packed q/k/v), k, v,
+# out. Self-attention with a packed weight uses GEMM 0 only for its input projection.
+_Q, _K, _V, _OUT = 0, 1, 2, 3
+
+
+class MultiheadAttention(nn.MultiheadAttention):
+    """Drop-in ``torch.nn.MultiheadAttention`` whose four projections run in FP8 in autocast.
+
+    Args: those of ``torch.nn.MultiheadAttention`` (``embed_dim, num_heads, dropout, bias,
+    add_bias_kv, add_zero_attn, kdim, vdim, batch_first, device, dtype``) plus ``params_dtype``
+    (Transformer Engine's name for ``dtype``). Same parameters and ``state_dict`` keys (plus
+    ``fp8_meta.*``), same ``forward`` signature and return value.
+
+    State: ``fp8_meta`` with four GEMMs (q or packed q/k/v, k, v, out): forward ``(L, 12)``,
+    backward ``(L, 8)``.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        dtype = resolve_params_dtype(dtype, params_dtype)
+        super().__init__(
+            embed_dim,
+            num_heads,
+            dropout=dropout,
+            bias=bias,
+            add_bias_kv=add_bias_kv,
+            add_zero_attn=add_zero_attn,
+            kdim=kdim,
+            vdim=vdim,
+            batch_first=batch_first,
+            device=device,
+            dtype=dtype,
+        )
+        self.fp8_meta = FP8Meta(num_gemms=4, device=device, label="MultiheadAttention")
+        self._run_cache: dict[str, Any] = {}
+
+    # The FP8 call runs eagerly under torch.compile, as f8.Linear (docs/decisions/0002).
+    @torch.compiler.disable
+    def forward(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As ``torch.nn.MultiheadAttention.forward``; FP8 projections inside ``f8.autocast``."""
+        weight = self.in_proj_weight if self._qkv_same_embed_dim else self.q_proj_weight
+        run = fp8_run_for(self, query, self.embed_dim, weight)
+        if run is None:
+            return super().forward(
+                query,
+                key,
+                value,
+                key_padding_mask=key_padding_mask,
+                need_weights=need_weights,
+                attn_mask=attn_mask,
+                average_attn_weights=average_attn_weights,
+                is_causal=is_causal,
+            )
+        if query.dim() == 2:  # unbatched: a batch of one, then drop that dimension again
+            dim = 0 if self.batch_first else 1
+            q = query.unsqueeze(dim)
+            k = q if key is query else key.unsqueeze(dim)
+            v = k if value is key else value.unsqueeze(dim)
+            kpm = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
+            out, weights = self._fp8_forward(
+                run, q, k, v, kpm, need_weights, attn_mask, average_attn_weights, is_causal
+            )
+            return out.squeeze(dim), None if weights is None else weights.squeeze(0)
+        return self._fp8_forward(
+            run, query, key, value, key_padding_mask, need_weights, attn_mask,
+            average_attn_weights, is_causal,
+        )  # fmt: skip
+
+    def _project_inputs(
+        self, run: FP8Run, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``(L|S, N, E)`` from the FP8 input projections (sequence-first inputs)."""
+        if self._qkv_same_embed_dim:
+            if query is key and key is value:  # self-attention: one packed GEMM
+                qkv = fp8_linear(query, self.in_proj_weight, self.in_proj_bias, run, gemm=_Q)
+                q, k, v = qkv.chunk(3, dim=-1)
+                return q, k, v
+            weights = self.in_proj_weight.chunk(3)
+        else:
+            weights = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
+        biases = (None,) * 3 if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
+        return (
+            fp8_linear(query, weights[0], biases[0], run, gemm=_Q),
+            fp8_linear(key, weights[1], biases[1], run, gemm=_K),
+            fp8_linear(value, weights[2], biases[2], run, gemm=_V),
+        )
+
+    def _fp8_forward(
+        self,
+        run: FP8Run,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        need_weights: bool,
+        attn_mask: torch.Tensor | None,
+        average_attn_weights: bool,
+        is_causal: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        same = query is key, key is value
+        if self.batch_first:  # work sequence-first, as PyTorch's functional form does
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+            if same[0]:
+                key = query
+            if same[1]:
+                value = key
+        tgt_len, bsz, embed_dim = query.shape
+        heads, head_dim = self.num_heads, self.head_dim
+        key_padding_mask = F._canonical_mask(
+            mask=key_padding_mask,
+            mask_name="key_padding_mask",
+            other_type=F._none_or_dtype(attn_mask),
+            other_name="attn_mask",
+            target_type=query.dtype,
+        )
+        attn_mask = F._canonical_mask(
+            mask=attn_mask,
+            mask_name="attn_mask",
+            other_type=None,
+            other_name="",
+            target_type=query.dtype,
+            check_other=False,
+        )
+        if is_causal and attn_mask is None:
+            raise RuntimeError(
+                "Need attn_mask if specifying the is_causal hint (as torch.nn.MultiheadAttention)"
+            )
+        if is_causal and key_padding_mask is None and not need_weights:
+            attn_mask = None  # scaled_dot_product_attention applies the causal mask itself
+        else:
+            is_causal = False
+        if attn_mask is not None and attn_mask.dim() == 2:
+            attn_mask = attn_mask.unsqueeze(0)
+
+        q, k, v = self._project_inputs(run, query, key, value)
+        if self.bias_k is not None and self.bias_v is not None:
+            k = torch.cat([k, self.bias_k.repeat(1, bsz, 1)])
+            v = torch.cat([v, self.bias_v.repeat(1, bsz, 1)])
+            attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+            key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
+        q = q.reshape(tgt_len, bsz * heads, head_dim).transpose(0, 1)
+        k = k.reshape(k.shape[0], bsz * heads, head_dim).transpose(0, 1)
+        v = v.reshape(v.shape[0], bsz * heads, head_dim).transpose(0, 1)
+        if self.add_zero_attn:
+            zeros = q.new_zeros((bsz * heads, 1, head_dim))
+            k, v = torch.cat([k, zeros], dim=1), torch.cat([v, zeros], dim=1)
+            attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
+            key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
+        src_len = k.shape[1]
+        if key_padding_mask is not None:
+            padding = key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, heads, -1, -1)
+            padding = padding.reshape(bsz * heads, 1, src_len)
+            attn_mask = padding if attn_mask is None else attn_mask + padding
+        dropout_p = self.dropout if self.training else 0.0
+
+        weights = None
+        if need_weights:
+            scores = (q * math.sqrt(1.0 / head_dim)) @ k.transpose(-2, -1)
+            if attn_mask is not None:
+                scores = scores + attn_mask
+            weights = torch.softmax(scores, dim=-1)
+            if dropout_p > 0.0:
+                weights = F.dropout(weights, p=dropout_p)
+            out = weights @ v  # (N * H, L, head_dim)
+            out = out.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
+            weights = weights.view(bsz, heads, tgt_len, src_len)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+        else:
+            if attn_mask is not None:
+                attn_mask = (
+                    attn_mask.unsqueeze(0)
+                    if attn_mask.shape[0] == 1
+                    else attn_mask.view(bsz, heads, -1, src_len)
+                )
+            out = F.scaled_dot_product_attention(
+                q.view(bsz, heads, tgt_len, head_dim),
+                k.view(bsz, heads, src_len, head_dim),
+                v.view(bsz, heads, src_len, head_dim),
+                attn_mask,
+                dropout_p,
+                is_causal,
+            )
+            out = out.permute(2, 0, 1, 3).reshape(tgt_len * bsz, embed_dim)
+        out = fp8_linear(out, self.out_proj.weight, self.out_proj.bias, run, gemm=_OUT)
+        out = out.view(tgt_len, bsz, embed_dim)
+        if self.batch_first:
+            out = out.transpose(0, 1)
+        return out, weights
+
+
+def to_fp8_attention(old: nn.MultiheadAttention, fqn: str) -> MultiheadAttention:
+    """An :class:`MultiheadAttention` holding ``old``'s very Parameter objects (and out_proj)."""
+    new = MultiheadAttention(
+        old.embed_dim,
+        old.num_heads,
+        dropout=old.dropout,
+        bias=old.in_proj_bias is not None,
+        add_bias_kv=old.bias_k is not None,
+        add_zero_attn=old.add_zero_attn,
+        kdim=old.kdim,
+        vdim=old.vdim,
+        batch_first=old.batch_first,
+        device="meta",
+        dtype=old.out_proj.weight.dtype,
+    )
+    for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"):
+        setattr(new, name, getattr(old, name))
+    for name in ("in_proj_bias", "bias_k", "bias_v"):
+        setattr(new, name, getattr(old, name))
+    new.out_proj = old.out_proj
+    device = old.out_proj.weight.device
+    new.fp8_meta = FP8Meta(num_gemms=4, device=device, label=fqn or "MultiheadAttention")
+    new.train(old.training)
+    return new

@@ -1,0 +1,180 @@
+"""``f8.TransformerLayer``: Transformer Engine's pre-LN transformer layer from fp8kit's blocks.
+
+``y = x + dropout(proj(attention(LayerNormLinear_qkv(x))))``, then
+``out = y + dropout(LayerNormMLP(y))``: four FP8 GEMMs per layer inside ``f8.autocast`` (QKV,
+projection, fc1, fc2); the attention core (``scaled_dot_product_attention``) in high precision.
+Arguments use Transformer Engine's names; see docs/te_modules.md for what differs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp8kit.torch.layers import (
+    ACTIVATIONS,
+    NORMALIZATIONS,
+    LayerNormLinear,
+    LayerNormMLP,
+    check_bool,
+    check_choice,
+    check_eps,
+    check_features,
+)
+from fp8kit.torch.linear import Linear, resolve_params_dtype
+
+__all__ = ["ATTN_INPUT_FORMATS", "SELF_ATTN_MASK_TYPES", "TransformerLayer"]
+
+SELF_ATTN_MASK_TYPES = ("causal", "padding", "no_mask")
+ATTN_INPUT_FORMATS = ("sbhd", "bshd")  # [seq, batch, hidden] (TE's default) or batch first
+
+
+def _check_probability(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float in [0, 1), got {value!r}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
+    return float(value)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LN self-attention + MLP layer whose four GEMMs run in FP8 inside ``f8.autocast``.
+
+    Args (Transformer Engine's names):
+        hidden_size: model width ``h``; num_attention_heads must divide it.
+        ffn_hidden_size: MLP width.
+        num_attention_heads: attention heads.
+        layernorm_epsilon: epsilon of both norms.
+        hidden_dropout: dropout after the projection and after the MLP (training only).
+        attention_dropout: dropout on the attention probabilities (training only).
+        self_attn_mask_type: ``"causal"`` (default, as TE), ``"padding"`` (``attention_mask``
+            in forward) or ``"no_mask"``.
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"``; activation: ``"gelu"``, ``"relu"`` or
+            ``"swiglu"``; bias: learn the GEMM biases.
+        fuse_qkv_params: accepted for TE compatibility; fp8kit always keeps Q, K and V in one
+            parameter (``layernorm_qkv.weight`` ``(3h, h)``, one FP8 GEMM), so the flag changes
+            no number (docs/te_modules.md).
+        attn_input_format: ``"sbhd"`` (``[seq, batch, hidden]``, TE's default) or ``"bshd"``.
+        params_dtype (TE) / device: of the parameters.
+
+    Submodules: ``layernorm_qkv`` (:class:`LayerNormLinear`), ``proj`` (:class:`Linear`),
+    ``layernorm_mlp`` (:class:`LayerNormMLP`), each with its own FP8 state.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_attention_heads: int,
+        *,
+        layernorm_epsilon: float = 1e-5,
+        hidden_dropout: float = 0.1,
+        attention_dropout: float = 0.1,
+        self_attn_mask_type: str = "causal",
+        normalization: str = "LayerNorm",
+        activation: str = "gelu",
+        bias: bool = True,
+        fuse_qkv_params: bool = False,
+        attn_input_format: str = "sbhd",
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = check_features("hidden_size", hidden_size)
+        heads = check_features("num_attention_heads", num_attention_heads)
+        if hidden_size % heads:
+            raise ValueError(
+                f"num_attention_heads ({heads}) must divide hidden_size ({hidden_size})"
+            )
+        self.num_attention_heads = heads
+        self.hidden_dropout = _check_probability("hidden_dropout", hidden_dropout)
+        self.attention_dropout = _check_probability("attention_dropout", attention_dropout)
+        self.self_attn_mask_type = check_choice(
+            "self_attn_mask_type", self_attn_mask_type, SELF_ATTN_MASK_TYPES
+        )
+        self.attn_input_format = check_choice(
+            "attn_input_format", attn_input_format, ATTN_INPUT_FORMATS
+        )
+        self.fuse_qkv_params = check_bool("fuse_qkv_params", fuse_qkv_params)
+        normalization = check_choice("normalization", normalization, NORMALIZATIONS)
+        activation = check_choice("activation", activation, ACTIVATIONS)
+        eps = check_eps(layernorm_epsilon)
+        kw: dict[str, Any] = {"device": device, "dtype": resolve_params_dtype(dtype, params_dtype)}
+        self.layernorm_qkv = LayerNormLinear(
+            hidden_size, 3 * hidden_size, bias=bias, normalization=normalization, eps=eps, **kw
+        )
+        self.proj = Linear(hidden_size, hidden_size, bias=bias, **kw)
+        self.layernorm_mlp = LayerNormMLP(
+            hidden_size,
+            check_features("ffn_hidden_size", ffn_hidden_size),
+            bias=bias,
+            activation=activation,
+            normalization=normalization,
+            eps=eps,
+            **kw,
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``[s, b, h]`` (or ``[b, s, h]`` with ``attn_input_format="bshd"``) -> same shape.
+
+        ``attention_mask`` (``self_attn_mask_type="padding"`` only): bool, broadcastable to
+        ``[b, 1, s, s]`` (TE uses ``[b, 1, 1, s]``); True marks a position that is masked out.
+        """
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+            layout = "s, b" if self.attn_input_format == "sbhd" else "b, s"
+            raise ValueError(
+                f"hidden_states must have shape [{layout}, {self.hidden_size}] "
+                f"(attn_input_format={self.attn_input_format!r}), got {tuple(hidden_states.shape)}"
+            )
+        mask = self._sdpa_mask(attention_mask)
+        x = hidden_states
+        bshd = x if self.attn_input_format == "bshd" else x.transpose(0, 1)
+        b, s, h = bshd.shape
+        heads, head_dim = self.num_attention_heads, h // self.num_attention_heads
+        qkv = self.layernorm_qkv(bshd)  # [b, s, 3h]
+        q, k, v = (t.view(b, s, heads, head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+        attn = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            is_causal=self.self_attn_mask_type == "causal",
+            scale=1.0 / math.sqrt(head_dim),
+        )
+        attn = attn.transpose(1, 2).reshape(b, s, h)
+        y = bshd + F.dropout(self.proj(attn), self.hidden_dropout, self.training)
+        out = y + F.dropout(self.layernorm_mlp(y), self.hidden_dropout, self.training)
+        return out if self.attn_input_format == "bshd" else out.transpose(0, 1)
+
+    def _sdpa_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """TE's mask (True = masked out) as ``scaled_dot_product_attention``'s (True = attend)."""
+        if self.self_attn_mask_type != "padding":
+            if attention_mask is not None:
+                raise ValueError(
+                    f"attention_mask is only used with self_attn_mask_type='padding', this layer "
+                    f"has {self.self_attn_mask_type!r}"
+                )
+            return None
+        if attention_mask is None:
+            raise ValueError("self_attn_mask_type='padding' needs an attention_mask")
+        if attention_mask.dtype != torch.bool:
+            raise TypeError(
+                "attention_mask must be a bool tensor (True = masked out), got "
+                f"{attention_mask.dtype}"
+            )
+        return ~attention_mask
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, num_attention_heads={self.num_attention_heads}, "
+            f"self_attn_mask_type={self.self_attn_mask_type}, "
+            f"attn_input_format={self.attn_input_format}"
+        )
