@@ -10,6 +10,7 @@ BENCHMARKS = (
     "bench_dequantize",
     "bench_training",
     "bench_update",
+    "bench_host",
     "bench_memory",
     "bench_reduction",
     "bench_keras",
