@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from fp8kit.formats import E4M3, E5M2, FP8Format, check_scale_number
+from fp8kit.torch import kernels
 from fp8kit.torch.kernels import reference
 from fp8kit.torch.kernels.reference import cast_to_fp8_reference
 from fp8kit.torch.scaling import compute_scale
@@ -121,8 +122,6 @@ def dequantize(t: Float8Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
             f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}"
         )
     if t.data.device.type == "cpu":
-        from fp8kit.torch import kernels  # cached module lookup after the first call
-
         return kernels.dequantize_fp8(t.data, t.scale_inv, dtype)  # torch where no kernel fits
     out = t.data.to(torch.float32) * t.scale_inv
     return out if dtype == torch.float32 else out.to(dtype)
@@ -139,11 +138,9 @@ def nan_ignoring_amax(x: torch.Tensor) -> torch.Tensor:
         x.device.type == "cpu"
         and x.dtype in HIGH_PRECISION_DTYPES
         and not torch.compiler.is_compiling()
+        and kernels.load_native() is not None
     ):
-        from fp8kit.torch import kernels
-
-        if kernels.load_native() is not None:
-            return kernels.native_amax(x)
+        return kernels.native_amax(x)
     return reference.nan_ignoring_amax(x)
 
 
@@ -165,8 +162,6 @@ def cast_to_fp8(
     CUDA) when they cover the inputs, else :func:`cast_to_fp8_reference`; the results are the
     same bit for bit either way.
     """
-    from fp8kit.torch import kernels  # cached module lookup after the first call
-
     if (
         x.dtype in HIGH_PRECISION_DTYPES
         and isinstance(scale, torch.Tensor)
@@ -242,9 +237,7 @@ def quantize_with_scale(
     """:func:`cast_to_fp8` into a :class:`Float8Tensor`; with ``transpose`` (2-D ``x`` only) the
     same read of ``x`` also writes ``data_t``, the row-major transpose a GEMM operand needs."""
     if transpose:
-        from fp8kit.torch.kernels import cast_to_fp8_transpose
-
-        data, data_t, amax = cast_to_fp8_transpose(x, scale, fmt)
+        data, data_t, amax = kernels.cast_to_fp8_transpose(x, scale, fmt)
         return Float8Tensor(data, scale_inv, amax, data_t)
     data, amax = cast_to_fp8(x, scale, fmt)
     return Float8Tensor(data, scale_inv, amax)
