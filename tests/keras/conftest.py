@@ -12,7 +12,6 @@ import contextlib
 import os
 import sys
 
-import numpy as np
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -45,9 +44,6 @@ except RuntimeError:  # runtime already initialised: MirroredStrategy tests skip
     pass
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    """A fresh, differently seeded generator per test (seed printed on failure)."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"numpy seed {seed}")
-    return np.random.default_rng(seed)
+# The ``rng`` fixture (FP8KIT_TEST_SEED reproduces a reported seed, tests/README.md) and the hook
+# that reports its seed on failure, shared with the other test packages.
+from tests.seeding import pytest_runtest_makereport, rng  # noqa: E402, F401

@@ -216,7 +216,12 @@ def test_convert_model_swaps_dense_layers_and_keeps_weights(rng) -> None:
         for o, n in zip(old, new, strict=True):
             np.testing.assert_array_equal(o.kernel.numpy(), n.kernel.numpy())
         ref = model(data).numpy()
-        np.testing.assert_allclose(converted(data).numpy(), ref, atol=0.1 * np.abs(ref).max())
+        # Three FP8 layers at their first step (unity scales: small activations land in E4M3's
+        # subnormal range, up to 2^-10 absolute error, on top of 2^-4 relative for normal
+        # values). Norm-wise the output stayed within 0.11 of high precision over 25 seeds;
+        # single elements near a cancellation err more, so no element-wise bound.
+        diff = np.linalg.norm(converted(data).numpy() - ref) / np.linalg.norm(ref)
+        assert diff < 0.2, diff
     only_last = f8.convert_model(sequential, layer_filter=lambda layer: layer.units == 2)
     assert [type(layer).__name__ for layer in only_last.layers] == ["Dense", "Dense"]
     assert not isinstance(only_last.layers[0], f8.Dense) and isinstance(
