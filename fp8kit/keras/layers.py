@@ -108,6 +108,30 @@ class _Fp8LayerMixin:
         values = [np.asarray(store[str(start + k)]) for k in range(n)]
         self.fp8_state.load(values, f"layer {self.name!r}")  # type: ignore[attr-defined]
 
+    # The Keras layer methods both layers share (the mixin comes first in their bases, so
+    # ``super()`` is the Keras layer).
+    def call(self, inputs: Any, training: Any = None) -> Any:
+        """The Keras layer's call; inside it, the GEMM runs in FP8 when a recipe is set."""
+        if self.fp8_state is None:
+            return super().call(inputs, training=training)  # type: ignore[misc]
+        x = self._fp8_gemm(inputs, keras.ops.convert_to_tensor(self.kernel), training)  # type: ignore[attr-defined]
+        if self.bias is not None:  # type: ignore[attr-defined]
+            x = keras.ops.add(x, self.bias)  # type: ignore[attr-defined]
+        if self.activation is not None:  # type: ignore[attr-defined]
+            x = self.activation(x)  # type: ignore[attr-defined]
+        return x
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), **self._fp8_config()}  # type: ignore[misc]
+
+    def save_own_variables(self, store: Any) -> None:
+        super().save_own_variables(store)  # type: ignore[misc]
+        self._save_fp8(store)
+
+    def load_own_variables(self, store: Any) -> None:
+        super().load_own_variables(store)  # type: ignore[misc]
+        self._load_fp8(store)
+
 
 @keras.saving.register_keras_serializable(package="fp8kit")
 class Dense(_Fp8LayerMixin, keras.layers.Dense):
@@ -139,27 +163,6 @@ class Dense(_Fp8LayerMixin, keras.layers.Dense):
         super().build(input_shape)
         self._build_fp8("...i,ij->...j")
 
-    def call(self, inputs: Any, training: Any = None) -> Any:
-        if self.fp8_state is None:
-            return super().call(inputs, training=training)
-        x = self._fp8_gemm(inputs, keras.ops.convert_to_tensor(self.kernel), training)
-        if self.bias is not None:
-            x = keras.ops.add(x, self.bias)
-        if self.activation is not None:
-            x = self.activation(x)
-        return x
-
-    def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), **self._fp8_config()}
-
-    def save_own_variables(self, store: Any) -> None:
-        super().save_own_variables(store)
-        self._save_fp8(store)
-
-    def load_own_variables(self, store: Any) -> None:
-        super().load_own_variables(store)
-        self._load_fp8(store)
-
 
 @keras.saving.register_keras_serializable(package="fp8kit")
 class EinsumDense(_Fp8LayerMixin, keras.layers.EinsumDense):
@@ -187,24 +190,3 @@ class EinsumDense(_Fp8LayerMixin, keras.layers.EinsumDense):
     def build(self, input_shape: Any) -> None:
         super().build(input_shape)
         self._build_fp8(self.equation)
-
-    def call(self, inputs: Any, training: Any = None) -> Any:
-        if self.fp8_state is None:
-            return super().call(inputs, training=training)
-        x = self._fp8_gemm(inputs, keras.ops.convert_to_tensor(self.kernel), training)
-        if self.bias is not None:
-            x = keras.ops.add(x, self.bias)
-        if self.activation is not None:
-            x = self.activation(x)
-        return x
-
-    def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), **self._fp8_config()}
-
-    def save_own_variables(self, store: Any) -> None:
-        super().save_own_variables(store)
-        self._save_fp8(store)
-
-    def load_own_variables(self, store: Any) -> None:
-        super().load_own_variables(store)
-        self._load_fp8(store)
