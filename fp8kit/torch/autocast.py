@@ -206,6 +206,7 @@ class autocast(contextlib.ContextDecorator):
         self.group = amax_reduction_group
         self.calibrating = calibrating
         self._frames: list[_Frame] = []
+        self._mha_fastpath: list[bool] = []
 
     def __enter__(self) -> autocast:
         stack = _stack()
@@ -217,6 +218,12 @@ class autocast(contextlib.ContextDecorator):
         frame = _Frame(self.enabled, self.recipe, self.group, owns, settings)
         stack.append(frame)
         self._frames.append(frame)
+        # PyTorch's fused encoder fast path (nn.TransformerEncoderLayer in eval, no grad) calls
+        # its kernel with the attention's parameters and would skip f8.MultiheadAttention's FP8
+        # projections: it is off while FP8 or calibration is on (docs/te_modules.md).
+        self._mha_fastpath.append(torch.backends.mha.get_fastpath_enabled())
+        if active:
+            torch.backends.mha.set_fastpath_enabled(False)
         if active and isinstance(self.recipe, DelayedScaling):
             # Every rank enters the same autocasts, so this fixes the same events, in the same
             # order, on every rank, whichever modules run (needed when events are collectives).
@@ -231,6 +238,7 @@ class autocast(contextlib.ContextDecorator):
         if not stack or stack[-1] is not frame:
             raise RuntimeError("fp8kit.torch.autocast contexts were exited out of order")
         stack.pop()
+        torch.backends.mha.set_fastpath_enabled(self._mha_fastpath.pop())
         if frame.owns_updates and exc_type is None:
             training = torch.is_grad_enabled()
             if training or self.calibrating:

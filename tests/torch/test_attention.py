@@ -141,3 +141,20 @@ def test_convert_model_converts_encoder_attention_keeping_parameters() -> None:
     out.sum().backward()
     assert layer.self_attn.fp8_meta.forward.update_count.tolist() == [1, 1, 0] + [0] * 6 + [1, 1, 0]
     assert layer.self_attn.fp8_meta.forward.label == "self_attn.forward"
+
+
+def test_fp8_inference_of_an_encoder_layer_skips_pytorchs_fast_path() -> None:
+    """In eval under no_grad, nn.TransformerEncoderLayer's fused fast path would bypass the
+    module's forward (no FP8 projection at all): f8.autocast turns it off, then restores it."""
+    torch.manual_seed(4)
+    layer = f8.convert_model(
+        nn.TransformerEncoderLayer(E, H, dim_feedforward=64, dropout=0.0, batch_first=True)
+    ).eval()
+    x = torch.randn(N, L, E)
+    before = torch.backends.mha.get_fastpath_enabled()
+    with torch.no_grad(), f8.autocast(recipe=FP8):
+        assert not torch.backends.mha.get_fastpath_enabled()
+        layer(x)
+    assert torch.backends.mha.get_fastpath_enabled() == before
+    staged = layer.self_attn.fp8_meta.forward.amax_history[0]
+    assert staged[0].item() == x.abs().max().item()  # INPUT of the packed q/k/v projection

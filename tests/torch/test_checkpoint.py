@@ -169,3 +169,13 @@ def test_plain_state_dict_loads_into_the_unconverted_model() -> None:
         assert torch.equal(a, b)
     with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
         f8.plain_state_dict({"a": 1})  # type: ignore[arg-type]
+
+
+def test_partly_missing_fp8_state_still_fails_a_strict_load() -> None:
+    """Only a module with no FP8 state at all starts fresh: a checkpoint that lost part of it
+    (one history, say) is damaged, and a strict load says so."""
+    _, converted = _plain_and_converted()
+    sd = dict(converted.state_dict())
+    del sd["0.fp8_meta.forward.amax_history"]
+    with pytest.raises(RuntimeError, match=r"0\.fp8_meta\.forward\.amax_history"):
+        converted.load_state_dict(sd, strict=True)

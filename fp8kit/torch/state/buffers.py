@@ -38,6 +38,7 @@ _EXTRA_STATE_VERSION = 1
 FP8_STATE_KEY = re.compile(
     r"(^|\.)fp8_meta\.(forward|backward)\.(amax_history|scale|update_count|_extra_state)$"
 )
+_FP8_KEYS_PER_MODULE = 8  # 2 directions x (amax_history, scale, update_count, _extra_state)
 _logged_fresh_state = [False]
 
 # Bumped whenever a ScalingState replaces a buffer tensor (assignment, .to(), load with another
@@ -313,20 +314,27 @@ def _missing_fp8_state_is_fresh_state(module: nn.Module, incompatible: Any) -> N
     """Load-state-dict post hook: a checkpoint without FP8 state (a plain PyTorch model's)
     loads into a converted model with ``strict=True``; its FP8 modules keep fresh state.
 
-    Only FP8 state keys are dropped from ``missing_keys``; every other missing key still fails
-    a strict load. Said once per process in the ``fp8kit`` log (INFO).
+    A module's FP8 keys leave ``missing_keys`` only when *all* of them are missing (no FP8 state
+    at all); a module with part of its FP8 state, and every other missing key, still fails a
+    strict load. Said once per process in the ``fp8kit`` log (INFO).
     """
     missing = incompatible.missing_keys
-    fp8 = [k for k in missing if FP8_STATE_KEY.search(k)]
-    if not fp8:
+    by_module: dict[str, list[str]] = {}
+    for key in missing:
+        found = FP8_STATE_KEY.search(key)
+        if found:
+            by_module.setdefault(key[: found.start()], []).append(key)
+    fresh = [keys for keys in by_module.values() if len(keys) == _FP8_KEYS_PER_MODULE]
+    if not fresh:
         return
-    for key in fp8:
-        missing.remove(key)
+    for keys in fresh:
+        for key in keys:
+            missing.remove(key)
     if not _logged_fresh_state[0]:
         _logged_fresh_state[0] = True
         logging.getLogger("fp8kit").info(
-            "fp8kit: the loaded state_dict has no FP8 state for %d key(s) (e.g. %s): those FP8 "
-            "modules keep fresh state (history 0, scale 1); said once per process",
-            len(fp8),
-            fp8[0],
+            "fp8kit: the loaded state_dict has no FP8 state for %d module(s) (e.g. %s): they "
+            "keep fresh FP8 state (history 0, scale 1); said once per process",
+            len(fresh),
+            fresh[0][0],
         )
