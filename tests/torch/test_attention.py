@@ -270,8 +270,14 @@ def test_convert_model_converts_encoder_attention_keeping_parameters() -> None:
     layer.train()
     with f8.autocast(recipe=FP8):
         out = layer(x)
-    out.sum().backward()
+    # A random projection of the output: the layer ends in a LayerNorm, whose output has a
+    # constant sum and a constant sum of squares (their gradients are zero).
+    (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(5))).sum().backward()
     assert layer.self_attn.fp8_meta.forward.update_count.tolist() == [1, 1, 0] + [0] * 6 + [1, 1, 0]
+    assert layer.self_attn.fp8_meta.backward.update_count.tolist() == [1, 0] + [0] * 4 + [1, 0]
+    for linear in (layer.linear1, layer.linear2):  # every projection of the layer ran in FP8
+        assert linear.fp8_meta.forward.update_count.tolist() == [1, 1, 0]
+        assert linear.fp8_meta.backward.update_count.tolist() == [1, 0]
     assert layer.self_attn.fp8_meta.forward.label == "self_attn.forward"
 
 
