@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8kit.torch.autocast import current_settings
 from fp8kit.torch.linear import fp8_linear, fp8_run_for, resolve_params_dtype
+from fp8kit.torch.quantization import check_high_precision
 from fp8kit.torch.quantizer import FP8Run
 from fp8kit.torch.state import FP8Meta
 
@@ -87,6 +89,8 @@ class MultiheadAttention(nn.MultiheadAttention):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As ``torch.nn.MultiheadAttention.forward``; FP8 projections inside ``f8.autocast``."""
         weight = self.in_proj_weight if self._qkv_same_embed_dim else self.q_proj_weight
+        if current_settings() is not None:
+            self._check_inputs(query, key, value, key_padding_mask, attn_mask)
         run = fp8_run_for(self, query, self.embed_dim, weight)
         if run is None:
             return super().forward(
@@ -113,6 +117,69 @@ class MultiheadAttention(nn.MultiheadAttention):
             run, query, key, value, key_padding_mask, need_weights, attn_mask,
             average_attn_weights, is_causal,
         )  # fmt: skip
+
+    def _check_inputs(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: torch.Tensor | None,
+        attn_mask: torch.Tensor | None,
+    ) -> None:
+        """Shapes and dtypes of an FP8 call, checked before any GEMM (ValueError / TypeError)."""
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            check_high_precision(t, name)
+        if query.dim() not in (2, 3):
+            raise ValueError(
+                "query must be 2-D (L, E) unbatched or 3-D batched "
+                f"({'(N, L, E)' if self.batch_first else '(L, N, E)'}), got shape "
+                f"{tuple(query.shape)}"
+            )
+        if query.shape[-1] != self.embed_dim:
+            raise ValueError(
+                f"query must have embed_dim={self.embed_dim} features in its last dimension, got "
+                f"shape {tuple(query.shape)}"
+            )
+        for name, t, dim in (("key", key, self.kdim), ("value", value, self.vdim)):
+            if t.dim() != query.dim():
+                raise ValueError(
+                    f"{name} must have as many dimensions as query ({query.dim()}), got shape "
+                    f"{tuple(t.shape)}"
+                )
+            if t.shape[-1] != dim:
+                raise ValueError(
+                    f"{name} must have {dim} features in its last dimension "
+                    f"({'kdim' if name == 'key' else 'vdim'}={dim}), got shape {tuple(t.shape)}"
+                )
+        seq, batch = (1, 0) if self.batch_first else (0, 1)
+        if query.dim() == 2:
+            seq, batch = 0, None
+        if key.shape[:-1] != value.shape[:-1]:
+            raise ValueError(
+                f"key and value must agree in all but the last dimension, got shapes "
+                f"{tuple(key.shape)} and {tuple(value.shape)}"
+            )
+        n = 1 if batch is None else query.shape[batch]
+        if batch is not None and key.shape[batch] != n:
+            raise ValueError(
+                f"query and key must have the same batch size, got shapes {tuple(query.shape)} "
+                f"and {tuple(key.shape)} (batch_first={self.batch_first})"
+            )
+        tgt, src = query.shape[seq], key.shape[seq]
+        if key_padding_mask is not None:
+            want = (src,) if batch is None else (n, src)
+            if tuple(key_padding_mask.shape) != want:
+                raise ValueError(
+                    f"key_padding_mask must have shape {want} (batch, source length), got "
+                    f"{tuple(key_padding_mask.shape)}"
+                )
+        if attn_mask is not None:
+            wants = ((tgt, src), (n * self.num_heads, tgt, src))
+            if tuple(attn_mask.shape) not in wants:
+                raise ValueError(
+                    f"attn_mask must have shape {wants[0]} or {wants[1]} (batch * num_heads, "
+                    f"target length, source length), got {tuple(attn_mask.shape)}"
+                )
 
     def _project_inputs(
         self, run: FP8Run, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor

@@ -14,6 +14,7 @@ every rank saves and loads its own FP8 state.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -21,7 +22,11 @@ from torch import nn
 
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch.state import FP8Meta, bind_recipe
-from fp8kit.torch.state.buffers import FP8_STATE_KEY
+from fp8kit.torch.state.buffers import (
+    FP8_STATE_KEY,
+    finish_fresh_state_summary,
+    start_fresh_state_summary,
+)
 
 __all__ = [
     "fp8_metas",
@@ -29,7 +34,10 @@ __all__ = [
     "init_fp8_state",
     "per_rank_fp8_state_dict",
     "plain_state_dict",
+    "summarize_fresh_fp8_state",
 ]
+
+logger = logging.getLogger("fp8kit")
 
 
 def fp8_metas(model: nn.Module) -> list[tuple[str, FP8Meta]]:
@@ -49,6 +57,56 @@ def plain_state_dict(model: nn.Module) -> dict[str, Any]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     return {k: v for k, v in model.state_dict().items() if not FP8_STATE_KEY.search(k)}
+
+
+def _start_summary(
+    module: nn.Module,
+    state_dict: Any,
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Load-state-dict pre hook: collect this load's absent FP8 states (outermost module)."""
+    if start_fresh_state_summary(missing_keys):
+        module.__dict__["_fp8kit_summary_keys"] = missing_keys
+
+
+def _finish_summary(module: nn.Module, incompatible: Any) -> None:
+    """Load-state-dict post hook: one INFO line for the absent FP8 states collected."""
+    keys = module.__dict__.pop("_fp8kit_summary_keys", None)
+    if keys is None or keys is not incompatible.missing_keys:
+        return
+    names = finish_fresh_state_summary(keys)
+    if names:
+        logger.info(
+            "fp8kit: the loaded state_dict has no FP8 state for %d FP8 module(s) (%s%s): they "
+            "start fresh (amax history 0, scale 1)",
+            len(names),
+            ", ".join(names[:3]),
+            ", ..." if len(names) > 3 else "",
+        )
+
+
+def summarize_fresh_fp8_state(module: nn.Module) -> nn.Module:
+    """Make every ``module.load_state_dict`` that lacks FP8 state log one line for all of it.
+
+    Without it, each FP8 module whose state a checkpoint lacks logs its own line (INFO,
+    ``fp8kit`` logger); :func:`~fp8kit.torch.convert_model` and ``TransformerLayer`` call this on
+    the module they return / on themselves. Calling it twice on a module does nothing more.
+
+    Returns:
+        ``module`` itself.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not module.__dict__.get("_fp8kit_summarized", False):
+        module.__dict__["_fp8kit_summarized"] = True
+        module.register_load_state_dict_pre_hook(_start_summary)
+        module.register_load_state_dict_post_hook(_finish_summary)
+    return module
 
 
 def init_fp8_state(model: nn.Module, recipe: DelayedScaling | None = None) -> nn.Module:

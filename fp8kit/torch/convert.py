@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 
+import torch
 from torch import nn
 
 from fp8kit.torch.attention import MultiheadAttention, to_fp8_attention
+from fp8kit.torch.checkpoint import summarize_fresh_fp8_state
 from fp8kit.torch.linear import Linear
+from fp8kit.torch.quantization import HIGH_PRECISION_DTYPES
 from fp8kit.torch.state import FP8Meta
 
 __all__ = ["convert_model"]
@@ -38,19 +41,32 @@ def _to_fp8_linear(old: nn.Linear, fqn: str) -> Linear:
     return new
 
 
+def _to_fp8(old: nn.Module, fqn: str) -> nn.Module:
+    if isinstance(old, nn.MultiheadAttention):
+        return to_fp8_attention(old, fqn)
+    return _to_fp8_linear(old, fqn)  # type: ignore[arg-type]
+
+
 def _check_patterns(keep_high_precision: object) -> tuple[str, ...]:
     if keep_high_precision is None:
         return ()
     if isinstance(keep_high_precision, str):
         return (keep_high_precision,)
-    if isinstance(keep_high_precision, Sequence) and all(
-        isinstance(p, str) for p in keep_high_precision
+    if isinstance(keep_high_precision, Iterable) and not isinstance(
+        keep_high_precision, (bytes, bytearray)
     ):
-        return tuple(keep_high_precision)
+        patterns = tuple(keep_high_precision)
+        if all(isinstance(p, str) for p in patterns):
+            return patterns
     raise TypeError(
         "keep_high_precision must be None, a module-name pattern (str, fnmatch style, e.g. "
-        f"'lm_head' or '*.classifier') or a sequence of them, got {keep_high_precision!r}"
+        f"'lm_head' or '*.classifier') or a list/tuple/set of them, got {keep_high_precision!r}"
     )
+
+
+def _weight_dtype(module: nn.Module) -> torch.dtype:
+    weight = module.out_proj.weight if isinstance(module, nn.MultiheadAttention) else module.weight
+    return weight.dtype  # type: ignore[union-attr, return-value]
 
 
 def _skip_reason(
@@ -65,16 +81,22 @@ def _skip_reason(
     matched = [p for p in patterns if fnmatch.fnmatchcase(fqn, p)]
     if matched:
         return f"keep_high_precision pattern {matched[0]!r}"
+    dtype = _weight_dtype(module)
+    if dtype not in HIGH_PRECISION_DTYPES:
+        return f"weight dtype {dtype}: FP8 GEMMs take float32, bfloat16 or float16 operands"
     if module_filter is not None and not module_filter(module, fqn):
         return "module_filter returned False"
     return None
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def convert_model(
     model: nn.Module,
     *,
     module_filter: ModuleFilter | None = None,
-    keep_high_precision: str | Sequence[str] | None = None,
+    keep_high_precision: str | Iterable[str] | None = None,
 ) -> nn.Module:
     """Replace every ``torch.nn.Linear`` (``torch.nn.MultiheadAttention``) in ``model``, in place,
     with :class:`f8.Linear` (:class:`f8.MultiheadAttention`).
@@ -83,18 +105,24 @@ def convert_model(
         model: any module. Only modules whose type is exactly ``torch.nn.Linear`` or
             ``torch.nn.MultiheadAttention`` are replaced: subclasses may rely on their own forward
             and are left (an attention's ``out_proj`` runs in FP8 inside the FP8 attention).
+            Modules whose weights are not float32, bfloat16 or float16 are left too.
         module_filter: ``(module, fully_qualified_name) -> bool``; a Linear is converted only if it
             returns True (the torchao convention).
         keep_high_precision: qualified module names to leave in high precision, as ``fnmatch``
-            patterns (``"lm_head"``, ``"*.classifier"``, ``"blocks.0.*"``): the usual choice for
-            the output layer, whose logits feed the loss directly.
+            patterns (``"lm_head"``, ``"*.classifier"``, ``"blocks.0.*"``), one string or a
+            list/tuple/set of them: the usual choice for the output layer, whose logits feed the
+            loss directly.
 
     Returns:
-        ``model`` itself, or a new :class:`f8.Linear` when ``model`` is a bare ``nn.Linear``.
-        Parameters are the same objects as before (no copy), so existing optimizers keep working.
-        Each converted module's FP8 state is labelled with its qualified name (warnings name it).
-        The ``fp8kit`` logger lists the converted modules and every Linear-like module left
-        (INFO).
+        ``model`` itself, or a new FP8 module when ``model`` is a bare ``nn.Linear`` or
+        ``nn.MultiheadAttention``. Parameters are the same objects as before (no copy), so
+        existing optimizers keep working; a module shared by several parents stays one (FP8)
+        module. Each converted module's FP8 state is labelled with its qualified name (warnings
+        name it). The ``fp8kit`` logger lists the converted modules and every Linear-like module
+        left, with the reason (INFO); a later ``load_state_dict`` of a checkpoint without FP8
+        state logs one line for all of it (:func:`~fp8kit.torch.checkpoint.plain_state_dict`
+        goes the other way). PyTorch's fused encoder fast path, which would bypass
+        FP8 submodules in eval, is off inside ``f8.autocast`` (docs/te_modules.md).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -102,33 +130,46 @@ def convert_model(
         raise TypeError("module_filter must be None or a callable (module, fqn) -> bool")
     patterns = _check_patterns(keep_high_precision)
 
-    if isinstance(model, nn.Linear) and _skip_reason(model, "", patterns, module_filter) is None:
-        logger.info("fp8kit.convert_model: converted the model itself (an nn.Linear)")
-        return _to_fp8_linear(model, "")
+    if (
+        isinstance(model, (nn.Linear, nn.MultiheadAttention))
+        and _skip_reason(model, "", patterns, module_filter) is None
+    ):
+        logger.info(
+            "fp8kit.convert_model: converted the model itself (an nn.%s)", type(model).__name__
+        )
+        return summarize_fresh_fp8_state(_to_fp8(model, ""))
     converted: list[str] = []
     left: list[str] = []
     reasons: dict[str, str] = {}
-    modules = list(model.named_modules(remove_duplicate=False))
-    order = {fqn: i for i, (fqn, _) in enumerate(modules)}  # report in model order
-    fp8_attention: set[str] = set()  # their out_proj runs in FP8 inside them
-    for fqn, parent in modules:
-        if fqn in fp8_attention or isinstance(parent, MultiheadAttention):
+    replacements: dict[int, nn.Module] = {}  # id(old module) -> its FP8 module (shared modules)
+    # Every (parent, name, child) edge, shared modules included, collected before any change.
+    edges = [
+        (fqn, parent, name, child)
+        for fqn, parent in model.named_modules(remove_duplicate=False)
+        for name, child in parent._modules.items()
+        if child is not None
+    ]
+    order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules(remove_duplicate=False))}
+    inside_attention = {id(m) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    for fqn, parent, name, child in edges:
+        if id(parent) in inside_attention:
+            continue  # an attention's out_proj runs inside the (FP8) attention itself
+        if not isinstance(child, (nn.Linear, nn.MultiheadAttention)):
             continue
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, (nn.Linear, nn.MultiheadAttention)):
-                continue
-            child_fqn = f"{fqn}.{name}" if fqn else name
-            reason = _skip_reason(child, child_fqn, patterns, module_filter)
-            if reason is None:
-                if isinstance(child, nn.MultiheadAttention):
-                    setattr(parent, name, to_fp8_attention(child, child_fqn))
-                    fp8_attention.add(child_fqn)
-                else:
-                    setattr(parent, name, _to_fp8_linear(child, child_fqn))
-                converted.append(child_fqn)
-            else:
-                left.append(child_fqn)
-                reasons[child_fqn] = reason
+        child_fqn = f"{fqn}.{name}" if fqn else name
+        if id(child) in replacements:  # a second path to a module converted already
+            setattr(parent, name, replacements[id(child)])
+            converted.append(child_fqn)
+            continue
+        reason = _skip_reason(child, child_fqn, patterns, module_filter)
+        if reason is None:
+            new = _to_fp8(child, child_fqn)
+            replacements[id(child)] = new
+            setattr(parent, name, new)
+            converted.append(child_fqn)
+        elif child_fqn not in reasons:
+            left.append(child_fqn)
+            reasons[child_fqn] = reason
     converted.sort(key=order.__getitem__)
     left.sort(key=order.__getitem__)
     logger.info(
@@ -150,4 +191,4 @@ def convert_model(
         logger.warning(
             "fp8kit.convert_model: keep_high_precision pattern(s) %s matched no module", unused
         )
-    return model
+    return summarize_fresh_fp8_state(model)

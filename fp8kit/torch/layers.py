@@ -67,11 +67,11 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
-def check_eps(value: Any) -> float:
+def check_eps(value: Any, name: str = "eps") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"eps must be a positive float, got {value!r}")
+        raise TypeError(f"{name} must be a positive float, got {value!r}")
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"eps must be a positive finite float, got {value!r}")
+        raise ValueError(f"{name} must be a positive finite float, got {value!r}")
     return float(value)
 
 

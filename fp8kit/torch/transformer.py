@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8kit.torch.checkpoint import summarize_fresh_fp8_state
 from fp8kit.torch.layers import (
     ACTIVATIONS,
     NORMALIZATIONS,
@@ -103,7 +104,7 @@ class TransformerLayer(nn.Module):
         self.fuse_qkv_params = check_bool("fuse_qkv_params", fuse_qkv_params)
         normalization = check_choice("normalization", normalization, NORMALIZATIONS)
         activation = check_choice("activation", activation, ACTIVATIONS)
-        eps = check_eps(layernorm_epsilon)
+        eps = check_eps(layernorm_epsilon, "layernorm_epsilon")
         kw: dict[str, Any] = {"device": device, "dtype": resolve_params_dtype(dtype, params_dtype)}
         self.layernorm_qkv = LayerNormLinear(
             hidden_size, 3 * hidden_size, bias=bias, normalization=normalization, eps=eps, **kw
@@ -118,6 +119,7 @@ class TransformerLayer(nn.Module):
             eps=eps,
             **kw,
         )
+        summarize_fresh_fp8_state(self)  # one log line for a checkpoint without FP8 state
 
     def forward(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None
@@ -133,10 +135,10 @@ class TransformerLayer(nn.Module):
                 f"hidden_states must have shape [{layout}, {self.hidden_size}] "
                 f"(attn_input_format={self.attn_input_format!r}), got {tuple(hidden_states.shape)}"
             )
-        mask = self._sdpa_mask(attention_mask)
         x = hidden_states
         bshd = x if self.attn_input_format == "bshd" else x.transpose(0, 1)
         b, s, h = bshd.shape
+        mask = self._sdpa_mask(attention_mask, b, s)
         heads, head_dim = self.num_attention_heads, h // self.num_attention_heads
         qkv = self.layernorm_qkv(bshd)  # [b, s, 3h]
         q, k, v = (t.view(b, s, heads, head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
@@ -154,7 +156,9 @@ class TransformerLayer(nn.Module):
         out = y + F.dropout(self.layernorm_mlp(y), self.hidden_dropout, self.training)
         return out if self.attn_input_format == "bshd" else out.transpose(0, 1)
 
-    def _sdpa_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    def _sdpa_mask(
+        self, attention_mask: torch.Tensor | None, b: int, s: int
+    ) -> torch.Tensor | None:
         """TE's mask (True = masked out) as ``scaled_dot_product_attention``'s (True = attend)."""
         if self.self_attn_mask_type != "padding":
             if attention_mask is not None:
@@ -169,6 +173,17 @@ class TransformerLayer(nn.Module):
             raise TypeError(
                 "attention_mask must be a bool tensor (True = masked out), got "
                 f"{attention_mask.dtype}"
+            )
+        full = (b, self.num_attention_heads, s, s)
+        try:
+            fits = torch.broadcast_shapes(attention_mask.shape, full) == full
+        except RuntimeError:
+            fits = False
+        if attention_mask.dim() != 4 or not fits:
+            raise ValueError(
+                f"attention_mask must have shape [b, 1, 1, s] = [{b}, 1, 1, {s}] or another shape "
+                f"that broadcasts to [b, heads, s, s] = {list(full)}, got "
+                f"{list(attention_mask.shape)}"
             )
         return ~attention_mask
 

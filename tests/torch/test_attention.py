@@ -9,6 +9,8 @@ from torch import nn
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling
+from fp8kit.torch import attention
+from tests.torch.fp8_gemm_spy import assert_e4m3_gemm, spy_fp8_linear
 
 HIGH = DelayedScaling(amax_history_len=2, override_linear_precision=(True, True, True))
 FP8 = DelayedScaling(amax_history_len=2)
@@ -27,7 +29,7 @@ def _pair(config: dict) -> tuple[nn.MultiheadAttention, f8.MultiheadAttention]:
     torch.manual_seed(0)
     stock = nn.MultiheadAttention(E, H, **config)
     fp8 = f8.MultiheadAttention(E, H, **config)
-    fp8.load_state_dict(stock.state_dict(), strict=False)
+    fp8.load_state_dict(stock.state_dict(), strict=True)  # a plain state_dict loads strictly
     return stock, fp8
 
 
@@ -103,22 +105,152 @@ def test_outside_autocast_it_is_pytorch_attention() -> None:
         assert torch.equal(a, b)
 
 
-def test_fp8_projections_train_and_record_every_gemm() -> None:
-    """Inside autocast the four projections are FP8 GEMMs: their slots record amaxes; the
-    output stays within FP8 rounding of PyTorch's (E4M3 operands: at most 2^-4 relative per
-    element, so about 2 * 2^-4 per GEMM before averaging over K = 32 terms; 0.1 bounds the
-    norm-wise error of two chained GEMMs with softmax between)."""
-    stock, fp8 = _pair({})
-    q, k, v = _inputs({}, False)
-    want, _ = stock(q, k, v)
+def _attention64(q, k, v, heads: int, mask=None) -> torch.Tensor:
+    """float64 softmax(q k^T / sqrt(d) + mask) v per head: q (L, N, E), k and v (S, N, E) ->
+    (L * N, E)."""
+    tgt, n, e = q.shape
+    d = e // heads
+    q, k, v = (t.double().reshape(t.shape[0], n * heads, d).transpose(0, 1) for t in (q, k, v))
+    scores = q @ k.transpose(1, 2) / d**0.5
+    if mask is not None:
+        scores = scores + mask
+    return (scores.softmax(-1) @ v).transpose(0, 1).reshape(tgt * n, e)
+
+
+@pytest.mark.parametrize("self_attention", [True, False])
+def test_fp8_projections_are_e4m3_gemms_and_the_core_is_float64_attention(
+    monkeypatch, self_attention
+) -> None:
+    """Inside autocast the input projection (one packed GEMM for self-attention, else three)
+    and the output projection are E4M3 GEMMs of their operands (checked one by one against
+    float64 math, tests/torch/fp8_gemm_spy.py), the attention core between them is PyTorch's
+    attention in high precision (float32 against float64: 1e-5), and training records every
+    forward and backward slot of the GEMMs used."""
+    config = {} if self_attention else {"kdim": 24, "vdim": 16}
+    _, fp8 = _pair(config)
+    q, k, v = _inputs(config, self_attention)
+    kpm = torch.zeros(N, q.shape[0] if self_attention else k.shape[0], dtype=torch.bool)
+    kpm[1, -2:] = True
+    calls = spy_fp8_linear(monkeypatch, attention)
+    assert fp8.fp8_meta.forward.scale.eq(1).all()  # fresh state: every cast at scale 1
     with f8.autocast(recipe=FP8):
-        got, _ = fp8(q, k, v, need_weights=False)
+        got, _ = fp8(q, k, v, key_padding_mask=kpm, need_weights=False)
     got.square().mean().backward()
-    assert ((got - want).norm() / want.norm()).item() < 0.1
-    fwd, bwd = fp8.fp8_meta.forward, fp8.fp8_meta.backward
-    assert fwd.update_count.tolist() == [1, 1, 0] * 4  # q, k, v, out: INPUT and WEIGHT slots
-    assert bwd.update_count.tolist() == [1, 0] * 4
-    assert fp8.in_proj_weight.grad is not None and fp8.out_proj.weight.grad is not None
+
+    in_proj, out_proj = calls[:-1], calls[-1]
+    assert [c.gemm for c in calls] == ([0, 3] if self_attention else [0, 1, 2, 3])
+    for call in calls:
+        assert_e4m3_gemm(call)
+    if self_attention:
+        projected = in_proj[0].y.chunk(3, dim=-1)
+    else:
+        projected = tuple(c.y for c in in_proj)
+        for call, operand in zip(in_proj, (q, k, v), strict=True):
+            assert torch.equal(call.x, operand)
+    mask = torch.zeros(N, 1, 1, kpm.shape[1], dtype=torch.float64).masked_fill(
+        kpm[:, None, None, :], float("-inf")
+    )
+    mask = mask.expand(N, H, 1, -1).reshape(N * H, 1, -1)
+    core = _attention64(*projected, heads=H, mask=mask)
+    torch.testing.assert_close(out_proj.x.double(), core, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.reshape(-1, E), out_proj.y.reshape(-1, E))
+    used = [0, 3] if self_attention else [0, 1, 2, 3]
+    fwd = fp8.fp8_meta.forward.update_count.view(4, 3)
+    bwd = fp8.fp8_meta.backward.update_count.view(4, 2)
+    for g in range(4):  # INPUT and WEIGHT slots forward, GRAD_OUTPUT backward; OUTPUT unused
+        assert fwd[g].tolist() == ([1, 1, 0] if g in used else [0, 0, 0]), g
+        assert bwd[g].tolist() == ([1, 0] if g in used else [0, 0]), g
+    assert fp8.out_proj.weight.grad is not None
+    params = [fp8.in_proj_weight] if self_attention else [fp8.q_proj_weight, fp8.k_proj_weight]
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+
+
+def test_need_weights_in_fp8_are_the_softmax_of_the_fp8_projections(monkeypatch) -> None:
+    """need_weights=True inside autocast: the weights are the high-precision probabilities
+    softmax(q k^T / sqrt(d)) of the FP8-projected q and k, averaged over heads by default."""
+    _, fp8 = _pair({"batch_first": True})
+    q, _, _ = _inputs({"batch_first": True}, True)
+    calls = spy_fp8_linear(monkeypatch, attention)
+    with f8.autocast(recipe=FP8):
+        _, weights = fp8(q, q, q)
+        _, per_head = fp8(q, q, q, average_attn_weights=False)
+    qkv = calls[0].y.double()  # the packed projection, sequence first: (L, N, 3E)
+    d = E // H
+    qh, kh, _ = (t.reshape(L, N * H, d).transpose(0, 1) for t in qkv.chunk(3, dim=-1))
+    probs = (qh @ kh.transpose(1, 2) / d**0.5).softmax(-1).reshape(N, H, L, L)
+    torch.testing.assert_close(per_head.double(), probs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weights.double(), probs.mean(1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_dropout_in_training_draws_as_pytorch(need_weights) -> None:
+    """Same generator state, same dropout mask: the FP8 code path (GEMMs overridden to high
+    precision) equals PyTorch's attention in training mode with dropout."""
+    stock, fp8 = _pair({"batch_first": True, "dropout": 0.5})
+    q, k, v = _inputs({"batch_first": True}, False)
+    torch.manual_seed(7)
+    want, want_w = stock(q, k, v, need_weights=need_weights)
+    torch.manual_seed(7)
+    with f8.autocast(recipe=HIGH):
+        got, got_w = fp8(q, k, v, need_weights=need_weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if need_weights:
+        torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (((N, L, E), (N, S, E), (N, S, E, 1)), ValueError,
+         r"value must have as many dimensions as query \(3\), got shape \(3, 7, 32, 1\)"),
+        (((N, L, E), (N, S, 24), (N, S, E)), ValueError,
+         r"key must have 32 features in its last dimension \(kdim=32\), got shape \(3, 7, 24\)"),
+        (((N, L, E), (N, S, E), (N, S - 1, E)), ValueError,
+         r"key and value must agree in all but the last dimension"),
+        (((N, L, E), (N + 1, S, E), (N + 1, S, E)), ValueError,
+         r"query and key must have the same batch size"),
+        (((N, L, E, 1), (N, S, E), (N, S, E)), ValueError,
+         r"query must be 2-D \(L, E\) unbatched or 3-D batched \(\(N, L, E\)\)"),
+        (((N, L, 16), (N, S, E), (N, S, E)), ValueError,
+         r"query must have embed_dim=32 features"),
+    ],
+)  # fmt: skip
+def test_bad_inputs_in_autocast_name_the_argument(args, error, match) -> None:
+    _, fp8 = _pair({"batch_first": True})
+    q, k, v = (torch.randn(*shape) for shape in args)
+    with f8.autocast(recipe=FP8), pytest.raises(error, match=match):
+        fp8(q, k, v)
+
+
+def test_bad_masks_and_dtypes_in_autocast_name_the_argument() -> None:
+    _, fp8 = _pair({"batch_first": True})
+    q = torch.randn(N, L, E)
+    with f8.autocast(recipe=FP8):
+        with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(3, 5\)"):
+            fp8(q, q, q, key_padding_mask=torch.zeros(N, L + 1, dtype=torch.bool))
+        with pytest.raises(ValueError, match=r"attn_mask must have shape \(5, 5\) or \(12, 5, 5\)"):
+            fp8(q, q, q, attn_mask=torch.zeros(N, L, L, dtype=torch.bool))
+        with pytest.raises(TypeError, match=r"key must have dtype torch\.float32, torch\.bfloat16"):
+            fp8(q, q.double(), q)
+    assert fp8.fp8_meta.forward.amax_history.abs().sum() == 0  # nothing ran
+
+
+def test_params_dtype_is_te_spelling_of_dtype() -> None:
+    mha = f8.MultiheadAttention(E, H, kdim=24, vdim=16, params_dtype=torch.bfloat16)
+    assert {p.dtype for p in mha.parameters()} == {torch.bfloat16}
+    assert mha.fp8_meta.forward.scale.dtype == torch.float32
+    layer = f8.TransformerLayer(E, 64, H, params_dtype=torch.bfloat16)
+    assert {p.dtype for p in layer.parameters()} == {torch.bfloat16}
+    for make in (
+        lambda **kw: f8.MultiheadAttention(E, H, **kw),
+        lambda **kw: f8.TransformerLayer(E, 64, H, **kw),
+    ):
+        with pytest.raises(
+            ValueError, match=r"dtype=torch\.float32 and params_dtype=torch\.bfloat16"
+        ):
+            make(dtype=torch.float32, params_dtype=torch.bfloat16)
+        with pytest.raises(TypeError, match=r"params_dtype must be a torch\.dtype or None"):
+            make(params_dtype="bf16")
 
 
 def test_convert_model_converts_encoder_attention_keeping_parameters() -> None:
@@ -138,8 +270,14 @@ def test_convert_model_converts_encoder_attention_keeping_parameters() -> None:
     layer.train()
     with f8.autocast(recipe=FP8):
         out = layer(x)
-    out.sum().backward()
+    # A random projection of the output: the layer ends in a LayerNorm, whose output has a
+    # constant sum and a constant sum of squares (their gradients are zero).
+    (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(5))).sum().backward()
     assert layer.self_attn.fp8_meta.forward.update_count.tolist() == [1, 1, 0] + [0] * 6 + [1, 1, 0]
+    assert layer.self_attn.fp8_meta.backward.update_count.tolist() == [1, 0] + [0] * 4 + [1, 0]
+    for linear in (layer.linear1, layer.linear2):  # every projection of the layer ran in FP8
+        assert linear.fp8_meta.forward.update_count.tolist() == [1, 1, 0]
+        assert linear.fp8_meta.backward.update_count.tolist() == [1, 0]
     assert layer.self_attn.fp8_meta.forward.label == "self_attn.forward"
 
 
@@ -158,3 +296,57 @@ def test_fp8_inference_of_an_encoder_layer_skips_pytorchs_fast_path() -> None:
     assert torch.backends.mha.get_fastpath_enabled() == before
     staged = layer.self_attn.fp8_meta.forward.amax_history[0]
     assert staged[0].item() == x.abs().max().item()  # INPUT of the packed q/k/v projection
+
+
+def _encoder(layers: int) -> nn.Module:
+    torch.manual_seed(4)
+    layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=64, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, layers, enable_nested_tensor=True) if layers else layer
+
+
+def _fp8_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (f8.Linear, f8.MultiheadAttention))]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("layers", [0, 2], ids=["layer", "encoder"])
+def test_converted_encoder_runs_fp8_in_eval_and_calibrates_under_no_grad(layers) -> None:
+    """In eval mode without grad PyTorch's encoder fast path calls one fused kernel with the
+    submodules' parameters (and the encoder packs a padded batch into a nested tensor): inside
+    f8.autocast the converted model must still run its FP8 modules, so calibration works."""
+    stock = _encoder(layers).eval()
+    model = f8.convert_model(_encoder(layers)).eval()
+    x = torch.randn(N, L, E)
+    kpm = torch.zeros(N, L, dtype=torch.bool)
+    kpm[0, -2:] = True
+    with torch.no_grad():
+        # outside autocast: PyTorch's own result (the encoder keeps its fused path)
+        want = stock(x, src_key_padding_mask=kpm)
+        got = model(x, src_key_padding_mask=kpm)
+        assert torch.equal(got, want)
+        with f8.autocast(recipe=FP8, calibrating=True):
+            calibrated = model(x, src_key_padding_mask=kpm)
+    assert torch.backends.mha.get_fastpath_enabled()  # restored
+    assert not calibrated.is_nested
+    for module in _fp8_modules(model):  # every projection recorded and updated its forward slots
+        counts = module.fp8_meta.forward.update_count.view(-1, 3)
+        assert counts[0].tolist() == [1, 1, 0], module.fp8_meta.forward.label
+    # same math as the unfused high-precision path, up to FP8 rounding
+    rows = ~kpm.reshape(-1)  # padded rows are zeros on the fused path, computed on the other
+    err = (calibrated - want).reshape(-1, E)[rows].norm() / want.reshape(-1, E)[rows].norm()
+    assert 0 < err.item() < 0.1
+
+
+def test_the_fast_path_flag_is_restored_when_the_call_raises() -> None:
+    model = f8.convert_model(_encoder(0)).eval()
+    torch.backends.mha.set_fastpath_enabled(True)
+    with torch.no_grad(), f8.autocast(recipe=FP8), pytest.raises(ValueError, match="query must"):
+        model(torch.randn(N, L, E + 1))
+    assert torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)  # a user's choice is kept too
+    try:
+        with torch.no_grad(), f8.autocast(recipe=FP8):
+            model(torch.randn(N, L, E))
+        assert not torch.backends.mha.get_fastpath_enabled()
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)

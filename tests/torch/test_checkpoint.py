@@ -140,28 +140,124 @@ def _plain_and_converted() -> tuple[torch.nn.Module, torch.nn.Module]:
     return plain, converted
 
 
-def test_converted_model_loads_a_plain_state_dict_strictly(caplog) -> None:
-    plain, converted = _plain_and_converted()
+def _train_step(model: torch.nn.Module, features: int) -> None:
     with f8.autocast(recipe=DelayedScaling(amax_history_len=4)):
-        converted(torch.randn(4, 16)).sum().backward()
-    before = converted[0].fp8_meta.forward.amax_history.clone()
+        model(torch.randn(4, features) * 3).sum().backward()
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        model(torch.randn(4, features) * 3).sum().backward()  # scales have moved off 1
+
+
+def _fresh(meta: f8.FP8Meta) -> bool:
+    return all(
+        not s.amax_history.any() and s.scale.eq(1).all() and s.scale_inv.eq(1).all()
+        and not s.update_count.any()
+        for s in (meta.forward, meta.backward)
+    )  # fmt: skip
+
+
+def test_converted_model_loads_a_plain_state_dict_strictly(caplog) -> None:
+    """The FP8 state a plain checkpoint lacks becomes fresh state (the old one was measured on
+    other weights), said in one INFO line naming how many FP8 modules; every other missing
+    key still fails a strict load."""
+    plain, converted = _plain_and_converted()
+    _train_step(converted, 16)
+    assert not _fresh(converted[0].fp8_meta)
     with caplog.at_level("INFO", logger="fp8kit"):
         result = converted.load_state_dict(plain.state_dict(), strict=True)
     assert result.missing_keys == [] and result.unexpected_keys == []
     for a, b in zip(plain.parameters(), converted.parameters(), strict=True):
         assert torch.equal(a, b)
-    # the FP8 state the checkpoint does not have is left as it was (fresh for a fresh model)
-    assert torch.equal(converted[0].fp8_meta.forward.amax_history, before)
+    assert _fresh(converted[0].fp8_meta) and _fresh(converted[2].fp8_meta)
+    assert converted[0].fp8_meta.forward.history_len == 4  # shape and recipe are kept
+    assert converted[0].fp8_meta.forward.recipe_data is not None
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "fp8kit: the loaded state_dict has no FP8 state for 2 FP8 module(s) (0.fp8_meta, "
+        "2.fp8_meta): they start fresh (amax history 0, scale 1)"
+    ]
     bad = dict(plain.state_dict())
     del bad["0.weight"]
-    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "0.weight"'):
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "0.weight"\.'):
         converted.load_state_dict(bad, strict=True)
+
+
+def test_a_partial_fp8_state_still_fails_a_strict_load() -> None:
+    _, converted = _plain_and_converted()
+    sd = converted.state_dict()
+    del sd["2.fp8_meta.backward.scale"]
+    with pytest.raises(
+        RuntimeError, match=r'Missing key\(s\) in state_dict: "2.fp8_meta.backward.scale"\.'
+    ):
+        converted.load_state_dict(sd, strict=True)
+
+
+def test_a_non_strict_load_leaves_modules_it_does_not_hold_alone() -> None:
+    """strict=False with only some modules' weights (a partial checkpoint): the FP8 state of a
+    module whose weights were not loaded either stays as it was."""
+    plain, converted = _plain_and_converted()
+    _train_step(converted, 16)
+    head = {
+        k: v.clone()
+        for k, v in converted[2].fp8_meta.state_dict().items()
+        if isinstance(v, torch.Tensor)
+    }
+    first_layer_only = {k: v for k, v in plain.state_dict().items() if k.startswith("0.")}
+    result = converted.load_state_dict(first_layer_only, strict=False)
+    assert result.missing_keys == ["2.weight", "2.bias"]
+    assert _fresh(converted[0].fp8_meta)
+    assert not _fresh(converted[2].fp8_meta)
+    for key, value in head.items():
+        assert torch.equal(converted[2].fp8_meta.state_dict()[key], value), key
+
+
+def test_without_a_summary_each_fp8_module_says_it_starts_fresh(caplog) -> None:
+    """A model built from f8 modules directly (no convert_model) logs one line per module."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(f8.Linear(8, 8), f8.LayerNormMLP(8, 16))
+    plain = {k: v for k, v in model.state_dict().items() if "fp8_meta" not in k}
+    with caplog.at_level("INFO", logger="fp8kit"):
+        model.load_state_dict(plain, strict=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"fp8kit: the loaded state_dict has no FP8 state for {m}.fp8_meta: it starts fresh "
+        "(amax history 0, scale 1)"
+        for m in ("0", "1")
+    ]
+    caplog.clear()
+    f8.checkpoint.summarize_fresh_fp8_state(model)
+    with caplog.at_level("INFO", logger="fp8kit"):
+        model.load_state_dict(plain, strict=True)
+        model.load_state_dict(model.state_dict(), strict=True)  # complete: nothing to say
+    assert [r.getMessage() for r in caplog.records] == [
+        "fp8kit: the loaded state_dict has no FP8 state for 2 FP8 module(s) (0.fp8_meta, "
+        "1.fp8_meta): they start fresh (amax history 0, scale 1)"
+    ]
+    with pytest.raises(TypeError, match=r"module must be a torch\.nn\.Module"):
+        f8.checkpoint.summarize_fresh_fp8_state("model")  # type: ignore[arg-type]
+
+
+def test_stock_attention_and_encoder_checkpoints_go_both_ways() -> None:
+    """A stock nn.TransformerEncoderLayer's state_dict loads strictly into its converted copy,
+    and plain_state_dict of the converted (trained) copy loads strictly into a stock layer."""
+    torch.manual_seed(5)
+    make = lambda: torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)  # noqa: E731
+    stock, converted = make(), f8.convert_model(make())
+    converted.load_state_dict(stock.state_dict(), strict=True)
+    x = torch.randn(5, 2, 16)
+    torch.testing.assert_close(converted(x), stock(x), rtol=1e-5, atol=1e-5)
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        converted(x).sum().backward()
+    with torch.no_grad():
+        for p in converted.parameters():
+            p.add_(0.01)
+    stock.load_state_dict(f8.plain_state_dict(converted), strict=True)
+    for (name, a), b in zip(stock.named_parameters(), converted.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert not any("_extra_state" in k or "fp8_meta" in k for k in f8.plain_state_dict(converted))
 
 
 def test_plain_state_dict_loads_into_the_unconverted_model() -> None:
     plain, converted = _plain_and_converted()
-    with f8.autocast(recipe=DelayedScaling(amax_history_len=4)):
-        converted(torch.randn(4, 16)).sum().backward()
+    _train_step(converted, 16)
     sd = f8.plain_state_dict(converted)
     assert sorted(sd) == sorted(plain.state_dict())
     plain.load_state_dict(sd, strict=True)

@@ -175,3 +175,46 @@ def test_linear_subclasses_are_left_and_said_so(caplog) -> None:
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "0 (a NonDynamicallyQuantizableLinear, not exactly torch.nn.Linear" in text
     assert type(model[0]) is nn.modules.linear.NonDynamicallyQuantizableLinear
+
+
+def test_a_bare_attention_is_converted_like_a_bare_linear(caplog) -> None:
+    stock = nn.MultiheadAttention(16, 2, kdim=8, vdim=12)
+    with caplog.at_level("INFO", logger="fp8kit"):
+        converted = f8.convert_model(stock)
+    assert type(converted) is f8.MultiheadAttention
+    assert converted.q_proj_weight is stock.q_proj_weight
+    assert converted.out_proj is stock.out_proj
+    assert "converted the model itself (an nn.MultiheadAttention)" in caplog.text
+    kept = f8.convert_model(nn.MultiheadAttention(16, 2), keep_high_precision="")
+    assert type(kept) is nn.MultiheadAttention
+
+
+def test_a_shared_module_stays_one_fp8_module() -> None:
+    """A Linear reached by two paths (also twice in one parent) becomes one f8.Linear, so its
+    FP8 state sees every use; a shared parent is walked once per path without double work."""
+    shared = nn.Linear(8, 8)
+    inner = nn.Sequential(shared, nn.ReLU())
+    model = nn.Sequential(inner, inner, shared)
+    model.add_module("alias", shared)
+    f8.convert_model(model)
+    fp8 = model[2]
+    assert isinstance(fp8, f8.Linear) and fp8.weight is shared.weight
+    assert model[0][0] is fp8 and model[1][0] is fp8 and model.alias is fp8
+
+
+def test_weights_fp8_gemms_cannot_take_are_left_and_said_so(caplog) -> None:
+    model = nn.Sequential(nn.Linear(4, 4, dtype=torch.float64), nn.Linear(4, 4))
+    with caplog.at_level("INFO", logger="fp8kit"):
+        f8.convert_model(model)
+    assert type(model[0]) is nn.Linear and isinstance(model[1], f8.Linear)
+    assert (
+        "0 (weight dtype torch.float64: FP8 GEMMs take float32, bfloat16 or float16 operands)"
+        in caplog.text
+    )
+
+
+def test_keep_high_precision_takes_any_collection_of_patterns() -> None:
+    model = f8.convert_model(Net(), keep_high_precision={"lm_head", "classifier"})
+    assert type(model.lm_head) is nn.Linear and type(model.classifier) is nn.Linear
+    with pytest.raises(TypeError, match=r"keep_high_precision must be None.*got b'lm_head'"):
+        f8.convert_model(Net(), keep_high_precision=b"lm_head")  # type: ignore[arg-type]

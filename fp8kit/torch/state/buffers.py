@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import warnings
 from typing import Any
 
@@ -27,8 +28,10 @@ __all__ = [
     "ScalingState",
     "buffer_generation",
     "bwd_slot",
+    "finish_fresh_state_summary",
     "fwd_slot",
     "resize_history",
+    "start_fresh_state_summary",
 ]
 
 DEFAULT_HISTORY_LEN: int = DelayedScaling.__dataclass_fields__["amax_history_len"].default
@@ -38,8 +41,6 @@ _EXTRA_STATE_VERSION = 1
 FP8_STATE_KEY = re.compile(
     r"(^|\.)fp8_meta\.(forward|backward)\.(amax_history|scale|update_count|_extra_state)$"
 )
-_FP8_KEYS_PER_MODULE = 8  # 2 directions x (amax_history, scale, update_count, _extra_state)
-_logged_fresh_state = [False]
 
 # Bumped whenever a ScalingState replaces a buffer tensor (assignment, .to(), load with another
 # history length), so a pool can tell cheaply whether its members may have left it.
@@ -228,6 +229,15 @@ class ScalingState(nn.Module):
                 self.scale_inv = torch.reciprocal(self.scale)
         self._slots_with_history = set()
 
+    def reset_values(self) -> None:
+        """Fresh values in place (history 0, scale 1, counts 0); shape and recipe are kept."""
+        with torch.no_grad():
+            self.amax_history.zero_()
+            self.scale.fill_(1.0)
+            self.update_count.zero_()
+            self.nonfinite_count.zero_()
+        self.refresh_derived()
+
     def get_extra_state(self) -> dict[str, Any]:
         return {"version": _EXTRA_STATE_VERSION, "recipe": self.recipe_data}
 
@@ -296,6 +306,23 @@ class FP8Meta(nn.Module):
         )
         self.register_load_state_dict_post_hook(_missing_fp8_state_is_fresh_state)
 
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        # No key of this state in the checkpoint: the post hook makes it fresh state.
+        absent = not any(key.startswith(prefix) for key in state_dict)
+        self.__dict__["_absent_in_load"] = prefix if absent else None
+
     def set_label(self, label: str) -> None:
         """Name the owner in messages (``convert_model`` uses the module's qualified name)."""
         self.forward.label = f"{label}.forward"
@@ -310,31 +337,58 @@ class FP8Meta(nn.Module):
         return self._modules["backward"]  # type: ignore[return-value]
 
 
-def _missing_fp8_state_is_fresh_state(module: nn.Module, incompatible: Any) -> None:
-    """Load-state-dict post hook: a checkpoint without FP8 state (a plain PyTorch model's)
-    loads into a converted model with ``strict=True``; its FP8 modules keep fresh state.
+# A load whose root asked for one summary line (fp8kit.torch.checkpoint.summarize_fresh_fp8_state)
+# collects the FP8 states it found absent here: (that load's missing_keys list, their names).
+_summary = threading.local()
 
-    A module's FP8 keys leave ``missing_keys`` only when *all* of them are missing (no FP8 state
-    at all); a module with part of its FP8 state, and every other missing key, still fails a
-    strict load. Said once per process in the ``fp8kit`` log (INFO).
+
+def start_fresh_state_summary(missing_keys: list[str]) -> bool:
+    """Collect the absent FP8 states of the load whose ``missing_keys`` list this is.
+
+    Returns False when that load is already collected (a nested summarising module).
     """
-    missing = incompatible.missing_keys
-    by_module: dict[str, list[str]] = {}
-    for key in missing:
-        found = FP8_STATE_KEY.search(key)
-        if found:
-            by_module.setdefault(key[: found.start()], []).append(key)
-    fresh = [keys for keys in by_module.values() if len(keys) == _FP8_KEYS_PER_MODULE]
-    if not fresh:
+    current = getattr(_summary, "load", None)
+    if current is not None and current[0] is missing_keys:
+        return False
+    _summary.load = (missing_keys, [])
+    return True
+
+
+def finish_fresh_state_summary(missing_keys: list[str]) -> list[str] | None:
+    """The names collected for the load of ``missing_keys`` (None if it is not collected)."""
+    current = getattr(_summary, "load", None)
+    if current is None or current[0] is not missing_keys:
+        return None
+    _summary.load = None
+    return current[1]
+
+
+def _missing_fp8_state_is_fresh_state(meta: nn.Module, incompatible: Any) -> None:
+    """Load-state-dict post hook of :class:`FP8Meta` (docs/te_modules.md, checkpoints).
+
+    A checkpoint without this FP8 state (a plain PyTorch model's) loads with ``strict=True``:
+    its keys leave ``missing_keys`` and, when the owner's own weights were loaded, the state is
+    reset to fresh (history 0, scale 1, counts 0; the old one belongs to other weights). An FP8
+    state the checkpoint holds in part, and every other missing key, stays missing.
+    """
+    prefix = meta.__dict__.pop("_absent_in_load", None)
+    if prefix is None:
         return
-    for keys in fresh:
-        for key in keys:
-            missing.remove(key)
-    if not _logged_fresh_state[0]:
-        _logged_fresh_state[0] = True
+    own = {prefix + key for key in meta.state_dict(keep_vars=True)}
+    missing = incompatible.missing_keys
+    missing[:] = [key for key in missing if key not in own]
+    owner = prefix[:-1].rpartition(".")[0]
+    owner_prefix = f"{owner}." if owner else ""
+    if not any(key.startswith(owner_prefix) for key in missing):  # the owner's weights loaded
+        for state in (meta.forward, meta.backward):
+            state.reset_values()
+    name = prefix[:-1] or "the FP8 state"
+    current = getattr(_summary, "load", None)
+    if current is not None and current[0] is missing:
+        current[1].append(name)
+    else:
         logging.getLogger("fp8kit").info(
-            "fp8kit: the loaded state_dict has no FP8 state for %d module(s) (e.g. %s): they "
-            "keep fresh FP8 state (history 0, scale 1); said once per process",
-            len(fresh),
-            fresh[0][0],
+            "fp8kit: the loaded state_dict has no FP8 state for %s: it starts fresh "
+            "(amax history 0, scale 1)",
+            name,
         )
