@@ -1,45 +1,82 @@
-"""``make bench-gpu``: the GPU figures of issue 9 / shared MEASUREMENTS' "H100 GPU" section.
+"""``make bench-gpu``: the GPU figures of issue 9 (the tables of shared MEASUREMENTS' H100 section).
 
-Tables (printed as markdown and saved as JSON):
+Sections (printed as markdown, saved as JSON after each one; ``--only`` picks some):
 
-1. ``linear``: Linear training steps (bf16 weights and activations, bias, x requires grad,
-   forward + backward incl. fp8kit's update events) for six shapes: bf16 eager / compiled,
-   fp8kit delayed and current (eager / compiled), torchao ``Float8Linear`` (compiled / eager,
-   when torchao imports) and the floor of three pre-quantized ``_scaled_mm`` GEMMs; ms and ratios.
-2. ``tiny``: one 256 x 256 Linear step: wall microseconds, CUDA kernels and aten calls per step.
-3. ``syncs``: host synchronisations in one training step (``torch.cuda.set_sync_debug_mode``).
-4. ``cast``: quantize bandwidth of fp8kit vs ``copy_`` (bytes read + written).
-5. ``gpt``: tokens/s and peak memory of a GPT, bf16 vs fp8kit delayed / current.
+1. ``linear``: one Linear training step (bf16 weights and activations, bias, ``x`` requiring
+   grad; forward + backward, fp8kit's update events included; gradients set to None before each
+   step so no accumulation kernel runs) for six M x K x N shapes: bf16 eager / compiled, fp8kit
+   delayed and current (eager / ``torch.compile`` of the module), torchao ``Float8Linear``
+   (tensorwise default, compiled / eager; "n/a" when torchao does not import) and the floor: the
+   step's three FP8 GEMMs alone on pre-quantized operands. Milliseconds (median of CUDA-event
+   timings) and each variant's ratio to the floor and to bf16.
+2. ``tiny``: one 256 x 256 Linear step (the time is host overhead): wall microseconds, CUDA
+   kernels and memcpy/memsets, aten calls (all levels, and top-level); 200 stacked layers.
+3. ``syncs``: host synchronisations per step (``torch.cuda.set_sync_debug_mode("warn")``),
+   first and steady step, and whether a step passes under ``"error"``.
+4. ``cast``: quantize bandwidth (bytes read + written) against ``copy_``, 64M elements.
+5. ``gpt``: tokens/s and peak memory of the demo GPT (``fp8kit.demo.model``) at 6 x 512 and
+   12 x 2048, bf16 autocast vs fp8kit delayed / current, AdamW.
+6. ``sub``: ``benchmarks.gpu_kernels`` / ``gpu_jax`` / ``gpu_keras`` ``main(path)``, each saving
+   its own JSON beside ``--out``; a module that does not import is noted and skipped.
 
-Then the sub-benchmarks of other frontends / kernels when their modules exist
-(``benchmarks.gpu_kernels``, ``benchmarks.gpu_jax``, ``benchmarks.gpu_keras``, each with
-``main(out_json_path) -> dict``). Without CUDA it says so and exits 0.
+Each section has a time budget (``gpu_common.SECTION_BUDGET_S``): once spent, its remaining cells
+read "skipped". A failing cell holds its error text and the run goes on. Without CUDA the script
+prints one line and exits 0. Only fp8kit's public API is used.
 
-Run on a GPU machine without a venv: ``PYTHONPATH=$PWD python3 -m benchmarks.gpu --out o.json``.
+Run: ``make bench-gpu``, or on a GPU machine without a venv
+``PYTHONPATH=$PWD python3 -m benchmarks.gpu --out $OUT/gpu.json`` (``benchmarks/gpu_run.sh``
+also installs carried wheels and runs the tests). ``docs/benchmarks.md`` explains the tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
+import gc
 import importlib
+import importlib.metadata
 import json
-import statistics
+import os
 import subprocess
 import time
-import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fp8kit.torch as f8
-from benchmarks.common import markdown_table
+from benchmarks.gpu_common import (
+    NOT_AVAILABLE,
+    SECTION_BUDGET_S,
+    SECTIONS,
+    Budget,
+    cell,
+    is_number,
+    parse_sections,
+    render_table,
+    sub_result_path,
+    with_ratios,
+)
+from benchmarks.gpu_measure import (
+    CURRENT,
+    DELAYED,
+    Step,
+    compiled,
+    count_syncs,
+    cuda_time_ms,
+    floor_step,
+    fp8_linear_like,
+    kernels_cast_transpose,
+    profile_counts,
+    strict_step,
+    torchao_linear_like,
+    torchao_problem,
+    training_step,
+    wall_us,
+)
 from fp8kit.demo.model import GPT, GPTConfig
-from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
 
 NO_CUDA = "no CUDA device: bench-gpu measures GPU figures only (see docs/benchmarks.md)"
 SHAPES = (
@@ -50,423 +87,451 @@ SHAPES = (
     (8192, 1024, 4096),
     (4096, 1024, 1024),
 )
-QUICK_SHAPES = (SHAPES[0], SHAPES[4], SHAPES[5])
-DELAYED = DelayedScaling(amax_history_len=16)
-CURRENT = Float8CurrentScaling()
+QUICK_SHAPES = (SHAPES[0], SHAPES[1], SHAPES[5])
+BF16 = "bf16"
+FLOOR = "3 FP8 GEMMs (floor)"
+TORCHAO_VARIANTS = ("torchao compiled", "torchao eager")
 SUB_BENCHMARKS = ("gpu_kernels", "gpu_jax", "gpu_keras")
-Step = Callable[[], None]
-
-
-def environment() -> dict[str, str]:
-    """Date, GPU, library versions and the fp8kit commit."""
-    env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-        "torch": torch.__version__,
-    }
-    for name in ("triton", "torchao", "jax"):
-        try:
-            env[name] = importlib.import_module(name).__version__
-        except Exception:  # optional packages: any import failure means absent
-            env[name] = "n/a"
-    try:
-        env["fp8kit_commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        env["fp8kit_commit"] = "n/a"
-    return env
-
-
-def cuda_time(step: Step, repeats: int, warmup: int = 3) -> float:
-    """Median milliseconds of ``step`` over ``repeats`` runs, timed with CUDA events."""
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _cell(fn: Callable[[], Any]) -> Any:
-    """``fn()``, or the error as a string: one failing variant must not end the table."""
-    try:
-        return fn()
-    except Exception as exc:  # recorded in the table instead
-        return f"error: {type(exc).__name__}: {str(exc)[:120]}"
+CAST_ELEMENTS = 64 * 2**20  # 8192 x 8192
+TINY = 256
+STACK_DEPTH = 200
+GPT_SIZES = {
+    # name: (config, batch)
+    "GPT 6x512 ctx 256 batch 64": (GPTConfig(block_size=256, n_layer=6, n_head=8, n_embd=512), 64),
+    "GPT 12x2048 ctx 1024 batch 8": (
+        GPTConfig(block_size=1024, n_layer=12, n_head=16, n_embd=2048),
+        8,
+    ),
+}
+GPT_STEPS = (3, 15)  # warm-up, timed
 
 
 # ---------------------------------------------------------------------------------------------
-# Linear steps
+# Environment
 
 
-def _linear_step(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe: Any) -> Step:
-    def step() -> None:
-        if recipe is None:
-            y = layer(x)
-        else:
-            with f8.autocast(recipe=recipe):
-                y = layer(x)
-        y.backward(dy)
-
-    return step
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return NOT_AVAILABLE
 
 
-def _torchao_layer(k: int, n: int, compiled: bool) -> nn.Module:
-    from torchao.float8 import convert_to_float8_training  # optional: not installed everywhere
-
-    model = nn.Sequential(nn.Linear(k, n, device="cuda", dtype=torch.bfloat16))
-    convert_to_float8_training(model)
-    return torch.compile(model) if compiled else model
-
-
-def _floor_step(m: int, k: int, n: int) -> Step:
-    """Three ``_scaled_mm`` calls on pre-quantized operands in the layouts cuBLASLt wants."""
-    one = torch.ones((), device="cuda")
-    x = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
-    w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
-    w_t = w.t().contiguous()
-    x_t = x.t().contiguous()
-    dy = torch.randn(m, n, device="cuda").to(torch.float8_e5m2)
-    dy_t = dy.t().contiguous()
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    out = torch.bfloat16
-
-    def step() -> None:
-        torch._scaled_mm(
-            x, w.t(), scale_a=one, scale_b=one, bias=bias, out_dtype=out, use_fast_accum=True
-        )
-        torch._scaled_mm(dy, w_t.t(), scale_a=one, scale_b=one, out_dtype=out)
-        torch._scaled_mm(dy_t, x_t.t(), scale_a=one, scale_b=one, out_dtype=out)
-
-    return step
+def fp8kit_commit() -> str:
+    """The short commit of the fp8kit checkout (``-dirty`` with local changes), else the
+    ``FP8KIT_COMMIT`` environment variable (a copied tree without ``.git``), else "n/a"."""
+    repo = Path(f8.__file__).resolve().parents[2]
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(repo), "describe", "--always", "--dirty", "--abbrev=9"],
+            capture_output=True, text=True, check=True, timeout=30,
+        )  # fmt: skip
+        return done.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("FP8KIT_COMMIT", NOT_AVAILABLE)
 
 
-def linear_table(shapes: tuple[tuple[int, int, int], ...], repeats: int) -> dict[str, Any]:
-    """Milliseconds per Linear training step for each variant and shape, with ratios."""
-    rows = {}
+def environment() -> dict[str, str]:
+    """Date, GPU, library versions, the fp8kit commit and the recipes timed."""
+    major, minor = torch.cuda.get_device_capability()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": f"{torch.cuda.get_device_name()} (sm_{major}{minor})",
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "triton": _version("triton"),
+        "jax": _version("jax"),
+        "torchao": _version("torchao"),
+        "fp8kit_commit": fp8kit_commit(),
+        "delayed recipe": repr(DELAYED),
+        "current recipe": repr(CURRENT),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Linear steps
+
+
+def linear_section(shapes: tuple[tuple[int, int, int], ...], budget: Budget) -> dict[str, Any]:
+    """``{"MxKxN": {variant: ms, "<variant> / floor": r, "<variant> / bf16": r}}``."""
+    torchao_missing = torchao_problem()
+    rows: dict[str, Any] = {}
     for m, k, n in shapes:
-        rows[f"{m}x{k}x{n}"] = _linear_row(m, k, n, repeats)
+        rows[f"{m}x{k}x{n}"] = cell(
+            lambda m=m, k=k, n=n: linear_row(m, k, n, budget, torchao_missing)
+        )
+        gc.collect()
         torch.cuda.empty_cache()
+    if torchao_missing:
+        rows["note"] = {"torchao": f"{NOT_AVAILABLE}: {torchao_missing}"}
     return rows
 
 
-def _linear_row(m: int, k: int, n: int, repeats: int) -> dict[str, Any]:
+def linear_row(
+    m: int, k: int, n: int, budget: Budget, torchao_missing: str | None
+) -> dict[str, Any]:
+    """One shape: ms per step of every variant (about half a second of timed steps each after
+    three warm-up steps, compilation included there), then the ratios."""
     torch.manual_seed(0)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     base = nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
-    fp8 = f8.Linear(k, n, device="cuda", dtype=torch.bfloat16)
-    fp8.load_state_dict(base.state_dict(), strict=False)
     variants: dict[str, Callable[[], Step]] = {
-        "bf16": lambda: _linear_step(base, x, dy, None),
-        "bf16 compiled": lambda: _linear_step(torch.compile(base), x, dy, None),
-        "fp8kit delayed": lambda: _linear_step(fp8, x, dy, DELAYED),
-        "fp8kit delayed compiled": lambda: _linear_step(torch.compile(fp8), x, dy, DELAYED),
-        "fp8kit current": lambda: _linear_step(fp8, x, dy, CURRENT),
-        "fp8kit current compiled": lambda: _linear_step(torch.compile(fp8), x, dy, CURRENT),
-        "torchao compiled": lambda: _linear_step(_torchao_layer(k, n, True), x, dy, None),
-        "torchao eager": lambda: _linear_step(_torchao_layer(k, n, False), x, dy, None),
-        "3 FP8 GEMMs (floor)": lambda: _floor_step(m, k, n),
+        BF16: lambda: training_step(base, x, dy, None),
+        "bf16 compiled": lambda: training_step(compiled(base), x, dy, None),
+        "fp8kit delayed": lambda: training_step(fp8_linear_like(base), x, dy, DELAYED),
+        "fp8kit delayed compiled": lambda: training_step(
+            compiled(fp8_linear_like(base)), x, dy, DELAYED
+        ),
+        "fp8kit current": lambda: training_step(fp8_linear_like(base), x, dy, CURRENT),
+        "fp8kit current compiled": lambda: training_step(
+            compiled(fp8_linear_like(base)), x, dy, CURRENT
+        ),
+        "torchao compiled": lambda: training_step(compiled(torchao_linear_like(base)), x, dy, None),
+        "torchao eager": lambda: training_step(torchao_linear_like(base), x, dy, None),
+        FLOOR: lambda: floor_step(m, k, n),
     }
     row: dict[str, Any] = {}
     for name, make in variants.items():
-        row[name] = _cell(lambda make=make: round(cuda_time(make(), repeats), 3))
-    floor, bf16 = row["3 FP8 GEMMs (floor)"], row["bf16"]
-    for name in list(variants):
-        if isinstance(row[name], float) and isinstance(floor, float):
-            row[f"{name} / floor"] = round(row[name] / floor, 2)
-        if isinstance(row[name], float) and isinstance(bf16, float):
-            row[f"{name} / bf16"] = round(row[name] / bf16, 2)
-    return row
+        if name in TORCHAO_VARIANTS and torchao_missing:
+            row[name] = NOT_AVAILABLE
+        elif budget.spent():
+            row[name] = budget.skip_note()
+        else:
+            row[name] = cell(lambda make=make: round(cuda_time_ms(make(), target_ms=500.0), 3))
+    return with_ratios(row, {"floor": FLOOR, "bf16": BF16})
+
+
+def print_linear(rows: dict[str, Any]) -> None:
+    """Three tables: ms, ratio to the floor, ratio to bf16 (rows: shapes)."""
+    shapes = {name: row for name, row in rows.items() if isinstance(row, dict) and name != "note"}
+    for title, suffix in (("ms per step", ""), ("/ floor", " / floor"), ("/ bf16", " / bf16")):
+        table = {}
+        for shape, row in shapes.items():
+            if suffix:
+                table[shape] = {k[: -len(suffix)]: v for k, v in row.items() if k.endswith(suffix)}
+            else:
+                table[shape] = {k: v for k, v in row.items() if " / " not in k}
+        print(f"\nLinear training step, {title}:\n")
+        print(render_table(table, "M x K x N"))
+    for name, row in rows.items():
+        if not isinstance(row, dict) or name == "note":
+            print(f"{name}: {row if not isinstance(row, dict) else json.dumps(row)}")
+    if "note" in rows:
+        print(f"note: {json.dumps(rows['note'])}")
 
 
 # ---------------------------------------------------------------------------------------------
-# Tiny step: host overhead, kernels, aten calls
+# 2. Tiny step
 
 
-def _profile_counts(step: Step) -> tuple[int, int]:
-    """(CUDA kernels, aten calls) of one ``step`` after warm-up."""
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        step()
-        torch.cuda.synchronize()
-    kernels = aten = 0
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels += 1
-        elif event.name.startswith("aten::"):
-            aten += 1
-    return kernels, aten
-
-
-def _wall_us(step: Step, n: int = 200) -> float:
-    for _ in range(10):
-        step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e6
-
-
-def tiny_table() -> dict[str, Any]:
-    """Wall us, kernels and aten calls (all levels, as the profiler lists them) per tiny step."""
+def tiny_section(budget: Budget) -> dict[str, Any]:
+    """``{"steps": {variant: {"wall us", "kernels", "copies", "aten", "aten top-level",
+    "wall / bf16"}}, "stacked": {"layers", "bf16 ms", "fp8kit delayed ms", "extra ms per
+    layer"}}``."""
     torch.manual_seed(0)
-    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
-    base = nn.Linear(256, 256, device="cuda", dtype=torch.bfloat16)
-    fp8 = f8.Linear(256, 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(TINY, TINY, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(TINY, TINY, device="cuda", dtype=torch.bfloat16)
+    base = nn.Linear(TINY, TINY, device="cuda", dtype=torch.bfloat16)
+    torchao_missing = torchao_problem()
     variants: dict[str, Callable[[], Step]] = {
-        "bf16 nn.Linear": lambda: _linear_step(base, x, dy, None),
-        "fp8kit delayed": lambda: _linear_step(fp8, x, dy, DELAYED),
-        "fp8kit current": lambda: _linear_step(fp8, x, dy, CURRENT),
-        "torchao eager": lambda: _linear_step(_torchao_layer(256, 256, False), x, dy, None),
-        "torchao compiled": lambda: _linear_step(_torchao_layer(256, 256, True), x, dy, None),
+        "bf16 nn.Linear": lambda: training_step(base, x, dy, None),
+        "fp8kit delayed": lambda: training_step(fp8_linear_like(base), x, dy, DELAYED),
+        "fp8kit current": lambda: training_step(fp8_linear_like(base), x, dy, CURRENT),
+        "torchao eager": lambda: training_step(torchao_linear_like(base), x, dy, None),
+        "torchao compiled": lambda: training_step(compiled(torchao_linear_like(base)), x, dy, None),
     }
     rows: dict[str, Any] = {}
     for name, make in variants.items():
-
-        def measure(make: Callable[[], Step] = make) -> dict[str, Any]:
-            step = make()
-            kernels, aten = _profile_counts(step)
-            return {"wall_us": round(_wall_us(step), 1), "kernels": kernels, "aten": aten}
-
-        rows[name] = _cell(measure)
-    bf16 = rows["bf16 nn.Linear"]
+        if name in TORCHAO_VARIANTS and torchao_missing:
+            rows[name] = NOT_AVAILABLE
+        elif budget.spent():
+            rows[name] = budget.skip_note()
+        else:
+            rows[name] = cell(lambda make=make: _tiny_row(make()))
+    reference = rows["bf16 nn.Linear"]
     for row in rows.values():
-        if isinstance(row, dict) and isinstance(bf16, dict):
-            row["wall vs bf16"] = round(row["wall_us"] / bf16["wall_us"], 2)
-    rows["200 stacked Linear(256)"] = _cell(_stack_times)
-    return rows
+        if isinstance(row, dict) and isinstance(reference, dict):
+            row["wall / bf16"] = round(row["wall us"] / reference["wall us"], 2)
+    stacked = budget.skip_note() if budget.spent() else cell(_stack_row)
+    return {"steps": rows, "stacked": stacked}
 
 
-def _stack_times() -> dict[str, float]:
-    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    out: dict[str, float] = {}
-    for name, cls, recipe in (("bf16 ms", nn.Linear, None), ("fp8kit ms", f8.Linear, DELAYED)):
+def _tiny_row(step: Step) -> dict[str, Any]:
+    counts = profile_counts(step)
+    return {"wall us": round(wall_us(step), 1), **counts}
+
+
+def _stack_row() -> dict[str, float]:
+    """ms per step of ``STACK_DEPTH`` Linear(256) layers, bf16 vs fp8kit delayed."""
+    x = torch.randn(TINY, TINY, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(TINY, TINY, device="cuda", dtype=torch.bfloat16)
+    out: dict[str, float] = {"layers": STACK_DEPTH}
+    for name, layer, recipe in (
+        ("bf16 ms", nn.Linear, None),
+        ("fp8kit delayed ms", f8.Linear, DELAYED),
+    ):
         model = nn.Sequential(
-            *[cls(256, 256, device="cuda", dtype=torch.bfloat16) for _ in range(200)]
+            *(layer(TINY, TINY, device="cuda", dtype=torch.bfloat16) for _ in range(STACK_DEPTH))
         )
-
-        def step(model: nn.Module = model, recipe: Any = recipe) -> None:
-            with f8.autocast(enabled=recipe is not None, recipe=recipe):
-                y = model(x)
-            y.sum().backward()
-
-        out[name] = round(_wall_us(step, n=20) / 1000, 2)
+        out[name] = round(wall_us(training_step(model, x, dy, recipe), warmup=3) / 1e3, 2)
+    out["extra ms per layer"] = round((out["fp8kit delayed ms"] - out["bf16 ms"]) / STACK_DEPTH, 3)
     return out
 
 
 # ---------------------------------------------------------------------------------------------
-# Host syncs
+# 3. Host syncs
 
 
-def sync_table() -> dict[str, Any]:
-    """Host syncs of one training step (after warm-up) per recipe; "error" mode pass/fail."""
-    model = nn.Sequential(
-        f8.Linear(1024, 1024, device="cuda", dtype=torch.bfloat16),
-        f8.LayerNormMLP(1024, 4096, device="cuda", dtype=torch.bfloat16),
-    )
-    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
-    rows: dict[str, Any] = {}
-    for name, recipe in (("delayed", DELAYED), ("current", CURRENT)):
-
-        def step(recipe: Any = recipe) -> None:
-            with f8.autocast(recipe=recipe):
-                y = model(x)
-            y.float().square().mean().backward()
-
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs = sum("synchroniz" in str(w.message) for w in caught)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            step()
-            strict = "pass"
-        except RuntimeError as exc:
-            strict = f"fail: {str(exc)[:120]}"
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        rows[name] = {"syncs per step": syncs, "sync_debug_mode=error": strict}
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------
-# Cast bandwidth
-
-
-def cast_table(numel: int = 64 * 2**20, repeats: int = 20) -> dict[str, Any]:
-    """GB/s (bytes read + written) of copy_, fp8kit quantize and cast+transpose, 64M elements."""
-    rows: dict[str, Any] = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        x = torch.randn(8192, numel // 8192, device="cuda", dtype=dtype)
-        buf = torch.empty_like(x)
-        scale = torch.full((), 0.5, device="cuda")
-        nbytes = x.numel() * x.element_size()
-        copy_ms = cuda_time(lambda x=x, buf=buf: buf.copy_(x), repeats)
-        quant_ms = cuda_time(
-            lambda x=x, scale=scale: f8.quantize(x, scale, torch.float8_e4m3fn), repeats
-        )
-        row = {
-            "copy GB/s": round(2 * nbytes / copy_ms / 1e6, 1),
-            "quantize GB/s": round((nbytes + x.numel()) / quant_ms / 1e6, 1),
-        }
-        row["quantize / copy"] = round(row["quantize GB/s"] / row["copy GB/s"], 2)
-        rows[str(dtype).replace("torch.", "")] = row
-    return rows
-
-
-# ---------------------------------------------------------------------------------------------
-# GPT throughput
-
-
-def gpt_table(quick: bool) -> dict[str, Any]:
-    """Tokens/s and peak GiB per variant for the two GPT sizes (AdamW, bf16 autocast)."""
-    configs = {
-        "GPT 6x512 ctx 256 batch 64": (
-            GPTConfig(block_size=256, n_layer=6, n_head=8, n_embd=512),
-            64,
-        ),
-        "GPT 12x2048 ctx 1024 batch 8": (
-            GPTConfig(block_size=1024, n_layer=12, n_head=16, n_embd=2048),
-            8,
+def _sync_models() -> dict[str, Callable[[], nn.Module]]:
+    kw: dict[str, Any] = {"device": "cuda", "dtype": torch.bfloat16}
+    return {
+        "Linear": lambda: f8.Linear(1024, 1024, **kw),
+        "LayerNormLinear+Linear+LayerNormMLP": lambda: nn.Sequential(
+            f8.LayerNormLinear(1024, 1024, **kw),
+            f8.Linear(1024, 1024, **kw),
+            f8.LayerNormMLP(1024, 4096, **kw),
         ),
     }
-    if quick:
-        configs.pop("GPT 12x2048 ctx 1024 batch 8")
+
+
+def sync_section(budget: Budget) -> dict[str, Any]:
+    """``{"<model> <recipe>": {"first step", "steady step", "error mode"}}``: syncs counted on a
+    fresh model's first step and on its fifth; the sixth runs under ``"error"``."""
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
     rows: dict[str, Any] = {}
-    for name, (config, batch) in configs.items():
+    for model_name, make in _sync_models().items():
+        for recipe_name, recipe in (("delayed", DELAYED), ("current", CURRENT)):
+            name = f"{model_name} {recipe_name}"
+            if budget.spent():
+                rows[name] = budget.skip_note()
+                continue
+
+            def measure(make: Callable[[], nn.Module] = make, recipe: Any = recipe) -> dict:
+                step = training_step(make(), x, dy, recipe)
+                first = count_syncs(step)
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+                steady = count_syncs(step)
+                return {"first step": first, "steady step": steady, "error mode": strict_step(step)}
+
+            rows[name] = cell(measure)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Cast bandwidth
+
+
+def cast_section(budget: Budget) -> dict[str, Any]:
+    """GB/s (bytes read + written: input once, each FP8 output once) of ``copy_`` and of
+    fp8kit's casts for 64M bfloat16 / float32 elements, and each cast's fraction of the copy's."""
+    e4m3 = torch.float8_e4m3fn
+    rows: dict[str, Any] = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(8192, CAST_ELEMENTS // 8192, device="cuda", dtype=dtype)
+        buf = torch.empty_like(x)
+        scale = torch.full((), 0.5, device="cuda")
+        size = x.numel() * x.element_size()
+        variants: dict[str, tuple[Step, int]] = {
+            "copy_": (lambda x=x, buf=buf: buf.copy_(x), 2 * size),
+            "f8.quantize": (lambda x=x, s=scale: f8.quantize(x, s, e4m3), size + x.numel()),
+            "f8.quantize_current": (lambda x=x: f8.quantize_current(x, e4m3), size + x.numel()),
+            "cast+transpose (kernels.cast_fp8)": (
+                lambda x=x, s=scale: kernels_cast_transpose(x, s, e4m3),
+                size + 2 * x.numel(),
+            ),
+            "f8.quantize_current transpose": (
+                lambda x=x: f8.quantize_current(x, e4m3, transpose=True),
+                size + 2 * x.numel(),
+            ),
+        }
+        row: dict[str, Any] = {}
+        for name, (step, moved) in variants.items():
+            if budget.spent():
+                row[f"{name} GB/s"] = budget.skip_note()
+                continue
+            row[f"{name} GB/s"] = cell(
+                lambda step=step, moved=moved: round(moved / cuda_time_ms(step) / 1e6, 1)
+            )
+        copy = row["copy_ GB/s"]
+        for name in variants:
+            value = row[f"{name} GB/s"]
+            if name != "copy_" and is_number(value) and is_number(copy):
+                row[f"{name} / copy"] = round(value / copy, 2)
+        rows[str(dtype).removeprefix("torch.")] = row
+        del x, buf
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. GPT throughput
+
+
+def gpt_section(quick: bool, budget: Budget) -> dict[str, Any]:
+    """``{size: {variant: {"tokens/s", "peak GiB", "vs bf16"}}}`` (bf16 = the same model with
+    FP8 off: ``torch.autocast`` bf16 only)."""
+    sizes = dict(list(GPT_SIZES.items())[:1]) if quick else GPT_SIZES
+    rows: dict[str, Any] = {}
+    for size, (config, batch) in sizes.items():
         row: dict[str, Any] = {}
         for variant, recipe in (
-            ("bf16", None),
+            (BF16, None),
             ("fp8kit delayed", DELAYED),
             ("fp8kit current", CURRENT),
         ):
-            row[variant] = _cell(
-                lambda c=config, b=batch, r=recipe: _gpt_run(c, b, r)  # type: ignore[misc]
-            )
-        bf16 = row["bf16"]
+            if budget.spent():
+                row[variant] = budget.skip_note()
+                continue
+            row[variant] = cell(lambda c=config, b=batch, r=recipe: gpt_throughput(c, b, r))
+            gc.collect()
+            torch.cuda.empty_cache()
+        reference = row[BF16]
         for variant in ("fp8kit delayed", "fp8kit current"):
-            if isinstance(row[variant], dict) and isinstance(bf16, dict):
-                row[variant]["vs bf16"] = round(row[variant]["tokens/s"] / bf16["tokens/s"], 2)
-        rows[name] = row
+            value = row[variant]
+            if isinstance(value, dict) and isinstance(reference, dict):
+                value["vs bf16"] = round(value["tokens/s"] / reference["tokens/s"], 2)
+        rows[size] = row
     return rows
 
 
-def _gpt_run(config: GPTConfig, batch: int, recipe: Any, steps: int = 20) -> dict[str, float]:
+def gpt_throughput(config: GPTConfig, batch: int, recipe: Any) -> dict[str, Any]:
+    """Tokens/s over ``GPT_STEPS[1]`` AdamW steps after ``GPT_STEPS[0]`` warm-up steps, and the
+    peak allocated GiB of those steps (``torch.cuda.max_memory_allocated``)."""
     torch.manual_seed(0)
-    model = GPT(config).cuda()
+    with torch.device("cuda"):  # initialised on the GPU: seconds instead of a minute on the host
+        model = GPT(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1), device="cuda")
-    x, y = tokens[:, :-1], tokens[:, 1:]
+    idx, targets = tokens[:, :-1], tokens[:, 1:]
 
     def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            ctx = f8.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
-            with ctx:
-                logits = model(x)
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+        with (
+            torch.autocast("cuda", dtype=torch.bfloat16),
+            f8.autocast(enabled=recipe is not None, recipe=recipe),
+        ):
+            loss = model(idx, targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(3):
+    warmup, timed = GPT_STEPS
+    for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    for _ in range(steps):
+    for _ in range(timed):
         step()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    result = {
-        "tokens/s": round(steps * batch * config.block_size / seconds),
+    return {
+        "tokens/s": round(timed * batch * config.block_size / seconds),
         "peak GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "params M": round(model.num_parameters() / 1e6, 1),
     }
-    return result
 
 
 # ---------------------------------------------------------------------------------------------
+# 6. Sub-benchmarks
 
 
-def _print_table(title: str, rows: dict[str, Any]) -> None:
-    columns: list[str] = []
-    for row in rows.values():
-        for key in row if isinstance(row, dict) else ["value"]:
-            if key not in columns:
-                columns.append(key)
-    body = [
-        [name, *[(row.get(c, "") if isinstance(row, dict) else row) for c in columns]]
-        for name, row in rows.items()
-    ]
-    print(f"\n## {title}\n")
-    print(markdown_table(["", *columns], body))
-
-
-def run_sub_benchmarks(out_path: str | None) -> dict[str, Any]:
-    """Each ``benchmarks.<name>.main(path)`` that exists; a missing module is noted."""
+def sub_section(out_path: str) -> dict[str, Any]:
+    """Each ``benchmarks.<name>.main(path)`` of :data:`SUB_BENCHMARKS`; a module that raises
+    ImportError is noted as skipped, one that fails holds its error."""
+    gc.collect()
+    torch.cuda.empty_cache()  # give the cached blocks back before JAX / Keras allocate
     results: dict[str, Any] = {}
     for name in SUB_BENCHMARKS:
         try:
             module = importlib.import_module(f"benchmarks.{name}")
         except ImportError as exc:
             results[name] = f"skipped: {exc}"
+            print(f"\n{name}: skipped: {exc}")
             continue
-        sub_path = None if out_path is None else out_path.replace(".json", f".{name}.json")
-        results[name] = _cell(lambda module=module, sub_path=sub_path: module.main(sub_path))
+        print(f"\n## {name}\n", flush=True)
+        path = sub_result_path(out_path, name)
+        results[name] = cell(lambda module=module, path=path: module.main(path))
     return results
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# ---------------------------------------------------------------------------------------------
+
+
+def print_section(name: str, result: Any) -> None:
+    """A section's tables (the Linear one split by unit, the tiny step apart from the stack)."""
+    if not isinstance(result, dict):
+        print(result)
+    elif name == "linear":
+        print_linear(result)
+    elif name == "tiny":
+        print("\n" + render_table(result["steps"], f"Linear({TINY}) step"))
+        print("\n" + render_table({"stacked": result["stacked"]}))
+    else:
+        print("\n" + render_table(result))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", default="bench-gpu.json", help="JSON results path")
-    parser.add_argument("--quick", action="store_true", help="three shapes, the small GPT only")
     parser.add_argument(
         "--only",
-        default="linear,tiny,syncs,cast,gpt,sub",
-        help="comma-separated sections: linear, tiny, syncs, cast, gpt, sub",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections, of: {', '.join(SECTIONS)}",
     )
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs per cell")
+    parser.add_argument(
+        "--quick", action="store_true", help="three Linear shapes and the small GPT only"
+    )
+    parser.add_argument(
+        "--budget-scale",
+        type=float,
+        default=1.0,
+        help="multiply every section's time budget (default budgets target ~8 minutes in all)",
+    )
     args = parser.parse_args(argv)
+    try:
+        args.sections = parse_sections(args.only)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not args.budget_scale > 0:
+        parser.error(f"--budget-scale must be > 0, got {args.budget_scale}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the chosen sections, print their tables, save the JSON after each; ``{}`` and a
+    message without CUDA."""
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print(NO_CUDA)
         return {}
-    sections = {s.strip() for s in args.only.split(",")}
-    results: dict[str, Any] = {"environment": environment()}
-    print("environment:", json.dumps(results["environment"]))
-    runners: dict[str, Callable[[], dict[str, Any]]] = {
-        "linear": lambda: linear_table(QUICK_SHAPES if args.quick else SHAPES, args.repeats),
-        "tiny": tiny_table,
-        "syncs": sync_table,
-        "cast": cast_table,
-        "gpt": lambda: gpt_table(args.quick),
-        "sub": lambda: run_sub_benchmarks(args.out),
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch
+    results: dict[str, Any] = {"environment": environment(), "seconds": {}}
+    shown = {k: v for k, v in results["environment"].items() if "recipe" not in k}
+    print("environment: " + ", ".join(f"{k} {v}" for k, v in shown.items()))
+    print("recipes: f8.DelayedScaling() and f8.Float8CurrentScaling() defaults (JSON: environment)")
+    runners: dict[str, Callable[[Budget], Any]] = {
+        "linear": lambda b: linear_section(QUICK_SHAPES if args.quick else SHAPES, b),
+        "tiny": tiny_section,
+        "syncs": sync_section,
+        "cast": cast_section,
+        "gpt": lambda b: gpt_section(args.quick, b),
     }
-    for name, run in runners.items():
-        if name not in sections:
-            continue
-        results[name] = _cell(run)
-        if isinstance(results[name], dict) and name != "sub":
-            _print_table(name, results[name])
+    for name in args.sections:
+        start = time.perf_counter()
+        if name == "sub":
+            results[name] = sub_section(args.out)
+        else:
+            budget = Budget(name, SECTION_BUDGET_S[name] * args.budget_scale)
+            print(f"\n## {name}", flush=True)
+            results[name] = cell(lambda run=runners[name], budget=budget: run(budget))
+            print_section(name, results[name])
+        results["seconds"][name] = round(time.perf_counter() - start, 1)
+        print(f"({name}: {results['seconds'][name]} s)", flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:  # saved after every section: a timeout keeps the rest
             json.dump(results, f, indent=2, default=str)
     print(f"\nsaved {args.out}")
