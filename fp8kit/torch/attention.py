@@ -74,8 +74,6 @@ class MultiheadAttention(nn.MultiheadAttention):
         self.fp8_meta = FP8Meta(num_gemms=4, device=device, label="MultiheadAttention")
         self._run_cache: dict[str, Any] = {}
 
-    # The FP8 call runs eagerly under torch.compile, as f8.Linear (docs/decisions/0002).
-    @torch.compiler.disable
     def forward(  # type: ignore[override]
         self,
         query: torch.Tensor,

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from fp8kit.torch.plan import RecipePlan, plan_for
 from fp8kit.torch.state import ScalingState, update_states
 
 __all__ = [
@@ -29,6 +30,8 @@ __all__ = [
     "autocast",
     "current_recipe",
     "current_settings",
+    "enrol",
+    "event_of",
     "fp8_autocast",
     "is_fp8_enabled",
 ]
@@ -81,12 +84,45 @@ class FP8Settings:
         fp8: True when the GEMMs run in FP8; False in a calibration-only region
             (``enabled=False, calibrating=True``: high-precision GEMMs that record amaxes).
         calibrating: record amaxes and update forward scales even without grad.
+        plan: ``plan_for(recipe)``.
+        event_key: an integer naming ``(recipe, group)`` (:func:`event_of`), for compiled
+            graphs, whose ops take ints rather than Python objects.
     """
 
     recipe: Recipe
     group: Any
     fp8: bool
     calibrating: bool
+    plan: RecipePlan
+    event_key: int
+
+
+# (recipe, group) pairs by integer key, both ways (docs/decisions/0233-torch-compile.md).
+_event_keys: dict[tuple[Recipe, int], int] = {}
+_events: dict[int, tuple[Recipe, Any]] = {}
+
+
+def _event_key(recipe: Recipe, group: Any) -> int:
+    key = _event_keys.get((recipe, id(group)))
+    if key is None:
+        key = _event_keys[(recipe, id(group))] = len(_events) + 1
+        _events[key] = (recipe, group)
+    return key
+
+
+def event_of(event_key: int) -> tuple[Recipe, Any]:
+    """The ``(recipe, group)`` of an :attr:`FP8Settings.event_key`."""
+    return _events[event_key]
+
+
+def enrol(state: ScalingState, event_key: int, backward: bool) -> None:
+    """Queue ``state`` for the next update event of its direction under ``event_key``'s
+    ``(recipe, group)`` (:func:`schedule_backward_update` or :func:`register_forward_state`)."""
+    recipe, group = _events[event_key]
+    if backward:
+        schedule_backward_update(state, recipe, group)  # type: ignore[arg-type]
+    else:
+        register_forward_state(state, recipe, group)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -213,7 +249,16 @@ class autocast(contextlib.ContextDecorator):
         active = self.enabled or self.calibrating
         owns = active and not any(f.owns_updates for f in stack)
         settings = (
-            FP8Settings(self.recipe, self.group, self.enabled, self.calibrating) if active else None
+            FP8Settings(
+                self.recipe,
+                self.group,
+                self.enabled,
+                self.calibrating,
+                plan_for(self.recipe),
+                _event_key(self.recipe, self.group),
+            )
+            if active
+            else None
         )
         frame = _Frame(self.enabled, self.recipe, self.group, owns, settings)
         stack.append(frame)

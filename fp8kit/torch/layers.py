@@ -219,7 +219,6 @@ class LayerNormLinear(_FP8Block):
         _init_linear(self.weight, self.bias)
         self._reset_fp8(self.weight.device)
 
-    @torch.compiler.disable  # FP8 state is Python-side, as in f8.Linear: runs eagerly
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, is_first_microbatch: bool | None = None
     ) -> torch.Tensor:
@@ -313,7 +312,6 @@ class LayerNormMLP(_FP8Block):
         _init_linear(self.fc2_weight, self.fc2_bias)
         self._reset_fp8(self.fc1_weight.device)
 
-    @torch.compiler.disable  # FP8 state is Python-side, as in f8.Linear: runs eagerly
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, is_first_microbatch: bool | None = None
     ) -> torch.Tensor:

@@ -19,7 +19,7 @@ from fp8kit.recipe import DelayedScaling
 from fp8kit.torch.autocast import FP8Settings, current_settings
 from fp8kit.torch.gemm import FUSED_BIAS_DTYPES, GEMM_ALIGNMENT, fp8_gemm, padded_mm
 from fp8kit.torch.quantization import Float8Tensor, check_high_precision
-from fp8kit.torch.quantizer import FP8Run, plan_for
+from fp8kit.torch.quantizer import FP8Run
 from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, bind_recipe, bwd_slot, fwd_slot
 
 __all__ = [
@@ -38,20 +38,23 @@ def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> 
     and return a run.
 
     ``cache`` (the module's ``_run_cache``) remembers the last recipe, so the steady state costs
-    one identity test: the history length and recorded recipe are bound once per recipe.
+    one identity test: the history length and recorded recipe are bound once per recipe. In a
+    graph traced by ``torch.compile`` nothing is bound here (a resize replaces buffers the graph
+    holds): the first update event binds the history length and the compiled cast records the
+    recipe (docs/decisions/0233-torch-compile.md).
     """
     recipe = settings.recipe
-    if cache.get("recipe") is not recipe:
-        if isinstance(recipe, DelayedScaling):
+    if not torch.compiler.is_compiling():
+        if cache.get("recipe") is not recipe:
+            if isinstance(recipe, DelayedScaling):
+                bind_recipe(meta, recipe)
+            cache["recipe"] = recipe
+        elif isinstance(recipe, DelayedScaling) and (
+            meta.forward.history_len != recipe.amax_history_len
+        ):  # loaded from a checkpoint with another L since the last call
             bind_recipe(meta, recipe)
-        cache["recipe"] = recipe
-        cache["plan"] = plan_for(recipe)
-    elif isinstance(recipe, DelayedScaling) and (
-        meta.forward.history_len != recipe.amax_history_len
-    ):  # loaded from a checkpoint with another L since the last call
-        bind_recipe(meta, recipe)
     training = settings.calibrating or torch.is_grad_enabled()
-    return FP8Run(cache["plan"], settings.group, meta, training, settings.fp8)
+    return FP8Run(settings.plan, settings.group, meta, training, settings.fp8, settings.event_key)
 
 
 def resolve_params_dtype(
@@ -377,10 +380,6 @@ class Linear(nn.Linear):
             )
             self._weight_cache = [None]
 
-    # Under torch.compile the FP8 call runs eagerly (one explicit graph break per call): the
-    # autocast context, the staging records and the update events are Python-side state that a
-    # traced graph would freeze. The surrounding model still compiles (docs/decisions/0002).
-    @torch.compiler.disable
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, is_first_microbatch: bool | None = None
     ) -> torch.Tensor:

@@ -47,8 +47,11 @@ def test_calibration_without_fp8_computes_in_high_precision_and_records() -> Non
     torch.manual_seed(1)
     layer = f8.Linear(32, 16)
     x = torch.randn(8, 32) * 5
-    with torch.no_grad(), f8.fp8_autocast(
-        enabled=False, calibrating=True, fp8_recipe=DelayedScaling(amax_history_len=4)
+    with (
+        torch.no_grad(),
+        f8.fp8_autocast(
+            enabled=False, calibrating=True, fp8_recipe=DelayedScaling(amax_history_len=4)
+        ),
     ):
         y = layer(x)
     assert torch.equal(y, torch.nn.functional.linear(x, layer.weight, layer.bias))

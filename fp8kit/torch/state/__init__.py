@@ -11,7 +11,7 @@ communicates.
 """
 
 from fp8kit.torch.state.apply import NonfiniteAmaxWarning
-from fp8kit.torch.state.binding import bind_history_len, bind_recipe
+from fp8kit.torch.state.binding import bind_history_len, bind_recipe, bind_state_if_needed
 from fp8kit.torch.state.buffers import (
     DEFAULT_HISTORY_LEN,
     BwdSlot,
@@ -35,6 +35,7 @@ __all__ = [
     "StateRegistry",
     "bind_history_len",
     "bind_recipe",
+    "bind_state_if_needed",
     "bwd_slot",
     "fwd_slot",
     "registry_for",

@@ -11,7 +11,10 @@ from __future__ import annotations
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch.state.buffers import FP8Meta, ScalingState
 
-__all__ = ["bind_history_len", "bind_recipe"]
+__all__ = ["bind_history_len", "bind_recipe", "bind_state_if_needed"]
+
+# recipe.to_dict() of each recipe bound by a compiled call, made once (compared by identity).
+_recipe_data: dict[DelayedScaling, dict[str, object]] = {}
 
 
 def bind_history_len(state: ScalingState, recipe: DelayedScaling, why: str = "") -> None:
@@ -27,3 +30,18 @@ def bind_recipe(meta: FP8Meta, recipe: DelayedScaling, why: str = "") -> None:
     for state in (meta.forward, meta.backward):
         bind_history_len(state, recipe, why)
         state.recipe_data = data
+
+
+def bind_state_if_needed(state: ScalingState, recipe: DelayedScaling) -> None:
+    """Bind ``state`` to ``recipe`` unless it is bound already: the check of a compiled module
+    call, whose graph cannot bind before it runs (docs/decisions/0233-torch-compile.md).
+
+    Costs an identity test and a shape read when nothing is to do.
+    """
+    data = _recipe_data.get(recipe)
+    if data is None:
+        data = _recipe_data[recipe] = recipe.to_dict()
+    if state.recipe_data is data and state.history_len == recipe.amax_history_len:
+        return
+    bind_history_len(state, recipe)
+    state.recipe_data = data

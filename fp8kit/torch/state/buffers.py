@@ -8,10 +8,12 @@ fixed shapes (``fp8_meta.forward.amax_history`` ...) and load with ``weights_onl
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import threading
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -32,6 +34,7 @@ __all__ = [
     "fwd_slot",
     "resize_history",
     "start_fresh_state_summary",
+    "state_by_uid",
 ]
 
 DEFAULT_HISTORY_LEN: int = DelayedScaling.__dataclass_fields__["amax_history_len"].default
@@ -54,6 +57,17 @@ def buffer_generation() -> int:
 
 def _buffers_replaced() -> None:
     _generation[0] += 1
+
+
+# Every ScalingState gets a process-unique integer id, so a torch.library op (which takes ints,
+# not Python objects) can name the state it quantizes for (docs/decisions/0233-torch-compile.md).
+_uids = itertools.count(1)
+_states_by_uid: weakref.WeakValueDictionary[int, ScalingState] = weakref.WeakValueDictionary()
+
+
+def state_by_uid(uid: int) -> ScalingState:
+    """The live :class:`ScalingState` whose ``uid`` is ``uid`` (KeyError if it is gone)."""
+    return _states_by_uid[uid]
 
 
 def resize_history(history: torch.Tensor, length: int) -> torch.Tensor:
@@ -102,6 +116,8 @@ class ScalingState(nn.Module):
         super().__init__()
         self.num_slots = num_slots
         self.label = label  # what owns this state, for messages (e.g. "Linear(64, 32).forward")
+        self.uid = next(_uids)  # names this state in compiled graphs (see state_by_uid)
+        _states_by_uid[self.uid] = self
         kw: dict[str, Any] = {"dtype": torch.float32, "device": device}
         self.register_buffer("amax_history", torch.zeros(history_len, num_slots, **kw))
         self.register_buffer("scale", torch.ones(num_slots, **kw))
@@ -125,6 +141,11 @@ class ScalingState(nn.Module):
         state = dict(self.__dict__)
         state.update(_slot_views={}, _slot_views_of=())  # derived views: rebuilt on use
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.uid = next(_uids)  # a copy (deepcopy, unpickling) is a state of its own
+        _states_by_uid[self.uid] = self
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -200,8 +221,12 @@ class ScalingState(nn.Module):
         return False
 
     def is_pristine(self) -> bool:
-        """True if nothing was ever recorded or updated (all history 0, counts 0)."""
-        return not bool(self.update_count.any()) and not bool(self.amax_history.any())
+        """True if no update ever completed (counts 0, completed history rows 0).
+
+        The staging row does not count: resizing keeps it, so a state that has only recorded
+        (e.g. the first step of a compiled model, bound at its first event) loses nothing.
+        """
+        return not bool(self.update_count.any()) and not bool(self.amax_history[1:].any())
 
     def set_history_len(self, length: int, reason: str) -> None:
         """Resize the history to ``length`` rows, warning unless the state is still pristine."""
