@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
-from fp8kit.torch import gemm, quantizer
+from fp8kit.torch import gemm, slot_cast
 from fp8kit.torch.state import NonfiniteAmaxWarning
 from fp8kit.torch.state import apply as update_apply
 
@@ -42,7 +42,7 @@ NO_KERNEL_OPS = {
     "aten.squeeze.dim",
     "aten.permute.default",
 }
-FUSED_KERNELS = ("cast_fp8", "cast_fp8_current")  # fp8kit's casting kernels (quantizer's names)
+FUSED_KERNELS = ("cast_fp8", "cast_fp8_current")  # fp8kit's casting kernels (slot_cast's names)
 
 
 class _KernelCounter(TorchDispatchMode):
@@ -69,7 +69,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], _KernelCou
     they run inside (a pure-torch fallback) do not count."""
     counters: list[_KernelCounter] = []
     for name in FUSED_KERNELS:
-        real = getattr(quantizer, name)
+        real = getattr(slot_cast, name)
 
         def wrapped(*args, _real=real, _name=name, **kwargs):  # type: ignore[no-untyped-def]
             for c in counters:
@@ -77,7 +77,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], _KernelCou
             with _Paused(counters):
                 return _real(*args, **kwargs)
 
-        monkeypatch.setattr(quantizer, name, wrapped)
+        monkeypatch.setattr(slot_cast, name, wrapped)
     real_update = update_apply.delayed_update_
 
     def wrapped_update(*args, **kwargs):  # type: ignore[no-untyped-def]

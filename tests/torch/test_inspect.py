@@ -15,7 +15,7 @@ from torch import nn
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
-from fp8kit.torch import quantizer
+from fp8kit.torch import slot_cast
 from fp8kit.torch.inspect import Inspector, cast_statistics
 from fp8kit.torch.inspect import stats as stats_module
 from fp8kit.torch.inspect.export import METRICS
@@ -40,7 +40,7 @@ def hand_snr_db(x: list[float], q: list[float]) -> float:
 @pytest.fixture(autouse=True)
 def _no_leftover_observer():
     yield
-    assert quantizer._observer is None, "a test left an inspector attached"
+    assert slot_cast._observer is None, "a test left an inspector attached"
 
 
 def test_cast_statistics_of_the_crafted_tensor() -> None:
@@ -202,18 +202,18 @@ def test_zero_cost_when_off_and_sampling(monkeypatch: pytest.MonkeyPatch) -> Non
             model(x)
 
     run()
-    assert quantizer._observer is None and not calls
+    assert slot_cast._observer is None and not calls
     inspector = Inspector(model, every=2)
     with inspector:
-        assert quantizer._observer is not None
+        assert slot_cast._observer is not None
         for step in range(5):
             run()
             with inspector.paused():
-                assert quantizer._observer is None
+                assert slot_cast._observer is None
                 run()
             inspector.step()
-            assert (quantizer._observer is not None) == ((step + 1) % 2 == 0)
-    assert quantizer._observer is None
+            assert (slot_cast._observer is not None) == ((step + 1) % 2 == 0)
+    assert slot_cast._observer is None
     assert sorted({r.step for r in inspector.records}) == [0, 2, 4]
     assert len(calls) == 3 * 2  # 3 sampled steps x (INPUT, WEIGHT); paused casts not seen
     assert all(r.casts == 1 for r in inspector.records)

@@ -1,6 +1,6 @@
 """``Inspector``: opt-in per-step numerics statistics of every FP8 slot of a model.
 
-The inspector installs itself as the observer of :func:`fp8kit.torch.quantizer.quantize_slot`,
+The inspector installs itself as the observer of :func:`fp8kit.torch.slot_cast.quantize_slot`,
 the single place where module slots are cast to FP8. Each observed cast queues a small float64
 statistics vector on the tensor's device (no host sync); :meth:`Inspector.step` stacks the queue,
 copies it to the host once and turns it into one :class:`SlotStats` per slot. When no inspector
@@ -19,7 +19,7 @@ from torch import nn
 
 from fp8kit.formats import FP8Format
 from fp8kit.recipe import Float8CurrentScaling, Recipe
-from fp8kit.torch import quantizer
+from fp8kit.torch import slot_cast
 from fp8kit.torch.inspect.stats import cast_statistics, combine
 from fp8kit.torch.quantization import Float8Tensor, current_scale
 from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, ScalingState
@@ -206,7 +206,7 @@ class Inspector:
         """Start observing casts (from the current step on)."""
         if self._attached:
             return self
-        if quantizer._observer is not None:
+        if slot_cast._observer is not None:
             raise RuntimeError(
                 "another fp8kit Inspector is already attached: detach it first (one at a time)"
             )
@@ -216,8 +216,8 @@ class Inspector:
 
     def detach(self) -> None:
         """Stop observing; casts queued for an unfinished step are dropped."""
-        if self._attached and quantizer._observer == self._observe:
-            quantizer._observer = None
+        if self._attached and slot_cast._observer == self._observe:
+            slot_cast._observer = None
         self._attached = False
         self._pending.clear()
         self._counted.clear()
@@ -235,7 +235,7 @@ class Inspector:
     @property
     def sampling(self) -> bool:
         """Whether casts made now are recorded (attached, not paused, sampled step)."""
-        return self._attached and quantizer._observer == self._observe
+        return self._attached and slot_cast._observer == self._observe
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -251,9 +251,9 @@ class Inspector:
     def _arm(self) -> None:
         want = self._attached and not self._paused and self._next_step % self.every == 0
         if want:
-            quantizer._observer = self._observe
-        elif quantizer._observer == self._observe:
-            quantizer._observer = None
+            slot_cast._observer = self._observe
+        elif slot_cast._observer == self._observe:
+            slot_cast._observer = None
 
     # -- observing -----------------------------------------------------------------------------
 

@@ -1,0 +1,97 @@
+"""Quantize a tensor into one slot of a module's scaling state (docs/semantics.md section 3).
+
+Delayed scaling uses the slot's stored scale and folds the amax into the staging row inside the
+casting kernel; current scaling computes the scale from the tensor itself on the device. Nothing
+here reads a device value on the host (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fp8kit.torch.kernels import cast_fp8, cast_fp8_current
+from fp8kit.torch.plan import RecipePlan
+from fp8kit.torch.quantization import Float8Tensor
+from fp8kit.torch.state import ScalingState
+
+__all__ = ["cast_into", "quantize_slot"]
+
+# Numerics observer (fp8kit.torch.inspect): None unless an Inspector is attached, so the cost of
+# the hook when off is one ``is not None`` test per cast. Called as
+# ``_observer(x, q, recipe, state, slot, fmt)`` right after every slot cast.
+_observer: Callable[..., None] | None = None
+
+
+def quantize_slot(
+    x: torch.Tensor,
+    plan: RecipePlan,
+    state: ScalingState,
+    slot: int,
+    backward: bool,
+    record: bool = True,
+    transpose: bool = False,
+    dbias: bool = False,
+) -> tuple[Float8Tensor, torch.Tensor | None]:
+    """Quantize ``x`` for ``state``'s ``slot`` in one pass; (delayed) fold its amax into staging.
+
+    Args:
+        x: high-precision tensor (2-D when ``transpose`` or ``dbias``).
+        plan: the active recipe's plan.
+        state: the forward or backward scaling state of the module.
+        slot: index into ``state``'s slots.
+        backward: True for a gradient (backward format), False for activations and weights.
+        record: fold the amax into the staging row (False for a reused cached weight).
+        transpose: also write ``data_t``, the row-major transpose, in the same pass.
+        dbias: also return the column sums of ``x`` (the bias gradient, ``x.dtype``).
+
+    Returns:
+        ``(q, dbias)``: the FP8 tensor (its ``scale_inv`` a fresh tensor, safe to keep across the
+        next update event) and the bias gradient or None.
+    """
+    views = state.slot_views(slot) if plan.delayed else None
+    return cast_into(x, plan, state, slot, views, backward, record, transpose, dbias)
+
+
+def cast_into(
+    x: torch.Tensor,
+    plan: RecipePlan,
+    state: ScalingState,
+    slot: int,
+    views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    backward: bool,
+    record: bool,
+    transpose: bool,
+    dbias: bool,
+) -> tuple[Float8Tensor, torch.Tensor | None]:
+    """:func:`quantize_slot` with the slot's ``(scale, staging entry, update count)`` one-element
+    views given (None under current scaling): eager calls view the state's buffers, the compiled
+    op the buffers its graph passes in."""
+    if backward:
+        dtype, fmt = plan.backward_dtype, plan.backward_format
+    else:
+        dtype, fmt = plan.forward_dtype, plan.forward_format
+    observer = _observer
+    if views is None:
+        r = cast_fp8_current(
+            x, dtype, power_2_scale=plan.power_2_scale, transpose=transpose, dbias=dbias
+        )
+    else:
+        scale, staging, count = views
+        fold = record and observer is None  # an observer needs the amax itself
+        r = cast_fp8(
+            x,
+            scale,
+            dtype,
+            transpose=transpose,
+            amax_out=staging if fold else None,
+            dbias=dbias,
+            first_step_current=count if plan.first_step_current else None,
+        )
+        if record and not fold:
+            staging.clamp_(min=r.amax)  # type: ignore[arg-type]
+    q = Float8Tensor(r.data, r.scale_inv, r.amax, r.data_t)
+    if observer is not None:
+        observer(x, q, plan.recipe, state, slot, fmt)
+    return q, r.dbias

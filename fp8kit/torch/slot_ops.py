@@ -1,0 +1,179 @@
+"""The FP8 module casts as ``torch.library`` custom ops, for ``torch.compile``
+(docs/decisions/0233-torch-compile.md).
+
+A traced graph runs no Python of ours, so each op carries what the eager call does around the
+kernel: binding the module's states to the recipe, the cast itself (:func:`cast_into`, the same
+kernels as eager) and the enrolment of the state in its next update event. Ops take integers,
+not Python objects: states are named by ``ScalingState.uid``, ``(recipe, group)`` by the
+autocast's ``event_key``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8kit.torch.autocast import enrol, event_of
+from fp8kit.torch.plan import plan_for
+from fp8kit.torch.quantization import Float8Tensor, nan_ignoring_amax
+from fp8kit.torch.slot_cast import cast_into
+from fp8kit.torch.state import FP8Meta, bind_state_if_needed
+from fp8kit.torch.state.buffers import state_by_uid
+
+__all__ = ["quantize_traced", "record_traced"]
+
+# cudagraph_unsafe: the enrolment is host work that a CUDA graph replay would skip, so Inductor
+# keeps this op out of its CUDA graphs (mode="reduce-overhead" graphs the rest around it).
+_OP_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("fp8kit::quantize_slot", mutates_args=("amax_history",), tags=_OP_TAGS)
+def _quantize_slot_op(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax_history: torch.Tensor,
+    update_count: torch.Tensor,
+    forward_uid: int,
+    backward_uid: int,
+    event_key: int,
+    slot: int,
+    backward: bool,
+    record: bool,
+    transpose: bool,
+    dbias: bool,
+    enrol_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_slot` for the module whose states have uids ``forward_uid`` /
+    ``backward_uid`` (``backward`` picks one), binding both to the recipe first if needed, then
+    enrolling the state in its next update event when ``enrol_state``.
+
+    ``scale`` (n,), ``amax_history`` (L, n) and ``update_count`` (n,) are the state's buffers as
+    the graph holds them; the staging entry ``amax_history[0, slot]`` is updated in place.
+    Returns ``(data, data_t, scale_inv, dbias)``, with 0-element tensors for outputs not asked.
+    """
+    plan = plan_for(event_of(event_key)[0])
+    state = state_by_uid(backward_uid if backward else forward_uid)
+    views = None
+    if plan.delayed:
+        for uid in (forward_uid, backward_uid):
+            bind_state_if_needed(state_by_uid(uid), plan.recipe)  # type: ignore[arg-type]
+        if amax_history.shape != state.amax_history.shape:
+            # Bound just now: the graph passed the history it read before the resize.
+            amax_history = state.amax_history
+        views = (
+            scale[slot : slot + 1],
+            amax_history[0, slot : slot + 1],
+            update_count[slot : slot + 1],
+        )
+    q, db = cast_into(x, plan, state, slot, views, backward, record, transpose, dbias)
+    if enrol_state:
+        enrol(state, event_key, backward)
+    data_t = q.data_t if q.data_t is not None else x.new_empty(0, dtype=q.data.dtype)
+    return q.data, data_t, q.scale_inv, db if db is not None else x.new_empty(0)
+
+
+@_quantize_slot_op.register_fake
+def _(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    amax_history: torch.Tensor,
+    update_count: torch.Tensor,
+    forward_uid: int,
+    backward_uid: int,
+    event_key: int,
+    slot: int,
+    backward: bool,
+    record: bool,
+    transpose: bool,
+    dbias: bool,
+    enrol_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = plan_for(event_of(event_key)[0])
+    dtype = plan.backward_dtype if backward else plan.forward_dtype
+    data = x.new_empty(x.shape, dtype=dtype)
+    data_t = x.new_empty((x.shape[1], x.shape[0]) if transpose else (0,), dtype=dtype)
+    db = x.new_empty(x.shape[1] if dbias else 0)
+    return data, data_t, scale.new_empty(()), db
+
+
+@torch.library.custom_op("fp8kit::record_slot", mutates_args=("amax_history",), tags=_OP_TAGS)
+def _record_slot_op(
+    x: torch.Tensor,
+    amax_history: torch.Tensor,
+    forward_uid: int,
+    backward_uid: int,
+    event_key: int,
+    slot: int,
+    enrol_state: bool,
+) -> None:
+    """:meth:`FP8Run.record_forward` in a compiled graph: bind (as :func:`_quantize_slot_op`),
+    fold ``max |x|`` (NaN ignored) into ``amax_history[0, slot]``, enrol when ``enrol_state``."""
+    recipe = event_of(event_key)[0]
+    state = state_by_uid(forward_uid)
+    for uid in (forward_uid, backward_uid):
+        bind_state_if_needed(state_by_uid(uid), recipe)  # type: ignore[arg-type]
+    if amax_history.shape != state.amax_history.shape:
+        amax_history = state.amax_history
+    amax_history[0, slot : slot + 1].clamp_(min=nan_ignoring_amax(x))
+    if enrol_state:
+        enrol(state, event_key, False)
+
+
+@_record_slot_op.register_fake
+def _(
+    x: torch.Tensor,
+    amax_history: torch.Tensor,
+    forward_uid: int,
+    backward_uid: int,
+    event_key: int,
+    slot: int,
+    enrol_state: bool,
+) -> None:
+    return None
+
+
+def quantize_traced(
+    meta: FP8Meta,
+    event_key: int,
+    x: torch.Tensor,
+    slot: int,
+    backward: bool,
+    record: bool,
+    transpose: bool,
+    dbias: bool,
+    enrol_state: bool,
+) -> tuple[Float8Tensor, torch.Tensor | None]:
+    """The cast of a traced module call into ``slot`` of ``meta``'s forward or backward state:
+    one ``fp8kit::quantize_slot`` node. Returns ``(q, dbias or None)``; ``q.amax`` is None."""
+    state = meta.backward if backward else meta.forward
+    data, data_t, scale_inv, db = torch.ops.fp8kit.quantize_slot(
+        x,
+        state.scale,
+        state.amax_history,
+        state.update_count,
+        meta.forward.uid,
+        meta.backward.uid,
+        event_key,
+        slot,
+        backward,
+        record,
+        transpose,
+        dbias,
+        enrol_state,
+    )
+    q = Float8Tensor(data, scale_inv, None, data_t if transpose else None)
+    return q, db if dbias else None
+
+
+def record_traced(
+    meta: FP8Meta, event_key: int, x: torch.Tensor, slot: int, enrol_state: bool
+) -> None:
+    """The amax record of a traced calibration call: one ``fp8kit::record_slot`` node."""
+    torch.ops.fp8kit.record_slot(
+        x,
+        meta.forward.amax_history,
+        meta.forward.uid,
+        meta.backward.uid,
+        event_key,
+        slot,
+        enrol_state,
+    )
