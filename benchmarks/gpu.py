@@ -371,40 +371,50 @@ def cast_section(budget: Budget) -> dict[str, Any]:
 # 5. GPT throughput
 
 
+GPT_VARIANTS = (  # (name, recipe, compiled, the bf16 variant it is compared with)
+    (BF16, None, False, BF16),
+    ("fp8kit delayed", DELAYED, False, BF16),
+    ("fp8kit current", CURRENT, False, BF16),
+    ("bf16 compiled", None, True, "bf16 compiled"),
+    ("fp8kit delayed compiled", DELAYED, True, "bf16 compiled"),
+)
+
+
 def gpt_section(quick: bool, budget: Budget) -> dict[str, Any]:
     """``{size: {variant: {"tokens/s", "peak GiB", "vs bf16"}}}`` (bf16 = the same model with
-    FP8 off: ``torch.autocast`` bf16 only)."""
+    FP8 off: ``torch.autocast`` bf16 only; a compiled variant is compared with compiled bf16)."""
     sizes = dict(list(GPT_SIZES.items())[:1]) if quick else GPT_SIZES
     rows: dict[str, Any] = {}
     for size, (config, batch) in sizes.items():
         row: dict[str, Any] = {}
-        for variant, recipe in (
-            (BF16, None),
-            ("fp8kit delayed", DELAYED),
-            ("fp8kit current", CURRENT),
-        ):
+        for variant, recipe, compile_model, _ in GPT_VARIANTS:
             if budget.spent():
                 row[variant] = budget.skip_note()
                 continue
-            row[variant] = cell(lambda c=config, b=batch, r=recipe: gpt_throughput(c, b, r))
+            row[variant] = cell(
+                lambda c=config, b=batch, r=recipe, k=compile_model: gpt_throughput(c, b, r, k)
+            )
             gc.collect()
             torch.cuda.empty_cache()
-        reference = row[BF16]
-        for variant in ("fp8kit delayed", "fp8kit current"):
-            value = row[variant]
-            if isinstance(value, dict) and isinstance(reference, dict):
+        for variant, recipe, _, reference_name in GPT_VARIANTS:
+            value, reference = row[variant], row[reference_name]
+            if recipe is not None and isinstance(value, dict) and isinstance(reference, dict):
                 value["vs bf16"] = round(value["tokens/s"] / reference["tokens/s"], 2)
         rows[size] = row
     return rows
 
 
-def gpt_throughput(config: GPTConfig, batch: int, recipe: Any) -> dict[str, Any]:
+def gpt_throughput(
+    config: GPTConfig, batch: int, recipe: Any, compile_model: bool = False
+) -> dict[str, Any]:
     """Tokens/s over ``GPT_STEPS[1]`` AdamW steps after ``GPT_STEPS[0]`` warm-up steps, and the
-    peak allocated GiB of those steps (``torch.cuda.max_memory_allocated``)."""
+    peak allocated GiB of those steps (``torch.cuda.max_memory_allocated``); ``compile_model``
+    runs the model through ``torch.compile`` (the FP8 modules trace into its graphs)."""
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialised on the GPU: seconds instead of a minute on the host
         model = GPT(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    forward = compiled(model) if compile_model else model
     tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1), device="cuda")
     idx, targets = tokens[:, :-1], tokens[:, 1:]
 
@@ -413,7 +423,7 @@ def gpt_throughput(config: GPTConfig, batch: int, recipe: Any) -> dict[str, Any]
             torch.autocast("cuda", dtype=torch.bfloat16),
             f8.autocast(enabled=recipe is not None, recipe=recipe),
         ):
-            loss = model(idx, targets)
+            loss = forward(idx, targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -17,6 +17,7 @@ from fp8kit.torch.convert import convert_model
 from fp8kit.torch.ddp import ddp_ignore_fp8_state
 from fp8kit.torch.distributed import AmaxReductionError
 from fp8kit.torch.gemm import Fp8GemmContractError, fp8_matmul, scaled_mm
+from fp8kit.torch.graphs import make_graphed_callables
 from fp8kit.torch.inspect import Inspector
 from fp8kit.torch.layers import LayerNormLinear, LayerNormMLP
 from fp8kit.torch.linear import Linear
@@ -52,6 +53,7 @@ __all__ = [
     "from_per_rank_fp8_state_dict",
     "init_fp8_state",
     "is_fp8_enabled",
+    "make_graphed_callables",
     "per_rank_fp8_state_dict",
     "plain_state_dict",
     "quantize",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from fp8kit.torch.plan import RecipePlan, plan_for
 from fp8kit.torch.state import ScalingState, update_states
 
 __all__ = [
+    "Enrolment",
     "FP8Settings",
     "autocast",
     "current_recipe",
@@ -34,6 +36,7 @@ __all__ = [
     "event_of",
     "fp8_autocast",
     "is_fp8_enabled",
+    "recording_enrolments",
 ]
 
 
@@ -125,6 +128,34 @@ def enrol(state: ScalingState, event_key: int, backward: bool) -> None:
         register_forward_state(state, recipe, group)  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True)
+class Enrolment:
+    """One state's place in the next update event of its direction under ``(recipe, group)``."""
+
+    state: ScalingState
+    recipe: DelayedScaling
+    group: Any
+    backward: bool
+
+
+# While a CUDA graph is captured (fp8kit.torch.graphs) enrolments are recorded here instead of
+# acted on, and no update event runs: a replay re-enrols what the capture recorded. Not
+# thread-local: the autograd engine runs CUDA backward nodes on its own thread.
+_recorders: list[list[Enrolment]] = []
+
+
+@contextlib.contextmanager
+def recording_enrolments() -> Iterator[list[Enrolment]]:
+    """Record enrolments (in order, repeats included) instead of acting on them, and run no
+    update event, inside the ``with`` body; yields the list they are appended to."""
+    record: list[Enrolment] = []
+    _recorders.append(record)
+    try:
+        yield record
+    finally:
+        _recorders.remove(record)
+
+
 @dataclass
 class _Frame:
     enabled: bool
@@ -180,6 +211,9 @@ def register_forward_state(state: ScalingState, recipe: DelayedScaling, group: A
     Call it only for quantizations made with grad mode on (the module decides): under
     ``torch.no_grad()`` the staging row keeps accumulating and nothing rolls.
     """
+    if _recorders:
+        _recorders[-1].append(Enrolment(state, recipe, group, False))
+        return
     owner = _owner_frame()
     if owner is not None:
         _add_pending(owner.forward_pending, state, recipe, group, "forward")
@@ -284,7 +318,7 @@ class autocast(contextlib.ContextDecorator):
             raise RuntimeError("fp8kit.torch.autocast contexts were exited out of order")
         stack.pop()
         torch.backends.mha.set_fastpath_enabled(self._mha_fastpath.pop())
-        if frame.owns_updates and exc_type is None:
+        if frame.owns_updates and exc_type is None and not _recorders:
             training = torch.is_grad_enabled()
             if training or self.calibrating:
                 for pending in frame.forward_pending.values():
@@ -342,6 +376,9 @@ def _arm_backward_update(recipe: DelayedScaling, group: Any) -> None:
 def schedule_backward_update(state: ScalingState, recipe: DelayedScaling, group: Any) -> None:
     """Queue ``state`` for the backward update that runs when this backward pass ends."""
     global _backward_callback_queued
+    if _recorders:
+        _recorders[-1].append(Enrolment(state, recipe, group, True))
+        return
     with _backward_lock:
         _add_pending(_backward_pending, state, recipe, group, "backward")
         if _backward_callback_queued:

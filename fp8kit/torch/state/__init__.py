@@ -22,7 +22,13 @@ from fp8kit.torch.state.buffers import (
     fwd_slot,
     resize_history,
 )
-from fp8kit.torch.state.registry import DIRECTIONS, StateRegistry, registry_for, update_states
+from fp8kit.torch.state.registry import (
+    DIRECTIONS,
+    StateRegistry,
+    pool_states,
+    registry_for,
+    update_states,
+)
 
 __all__ = [
     "DEFAULT_HISTORY_LEN",
@@ -38,6 +44,7 @@ __all__ = [
     "bind_state_if_needed",
     "bwd_slot",
     "fwd_slot",
+    "pool_states",
     "registry_for",
     "resize_history",
     "update_states",

@@ -118,6 +118,9 @@ class ScalingState(nn.Module):
         self.label = label  # what owns this state, for messages (e.g. "Linear(64, 32).forward")
         self.uid = next(_uids)  # names this state in compiled graphs (see state_by_uid)
         _states_by_uid[self.uid] = self
+        # Which pool of its (recipe, group, direction, device) the state shares: 0 is the common
+        # one; a CUDA graph capture gives its states their own (docs/decisions/0234-cuda-graphs.md).
+        self.pool_partition = 0
         kw: dict[str, Any] = {"dtype": torch.float32, "device": device}
         self.register_buffer("amax_history", torch.zeros(history_len, num_slots, **kw))
         self.register_buffer("scale", torch.ones(num_slots, **kw))

@@ -1,7 +1,8 @@
 """Update events: one batched update of many modules' scaling states (docs/semantics.md
 sections 3 and 5).
 
-Every (recipe, group, direction, device) has a persistent :class:`StateRegistry`: the states that
+Every (recipe, group, direction, device, pool partition) has a persistent :class:`StateRegistry`
+(the partition is 0 except for CUDA-graphed states, which keep a pool of their own): the states that
 ever took part in its events, in order of first registration (weak references, so dead modules
 drop out), stored side by side in one :class:`~fp8kit.torch.state.pool.StatePool` whose columns
 the modules' buffers view. Membership is kept here (a state holds no pointer to its registry).
@@ -41,7 +42,7 @@ from fp8kit.torch.state.binding import bind_history_len
 from fp8kit.torch.state.buffers import ScalingState, buffer_generation
 from fp8kit.torch.state.pool import StatePool
 
-__all__ = ["DIRECTIONS", "StateRegistry", "registry_for", "update_states"]
+__all__ = ["DIRECTIONS", "StateRegistry", "pool_states", "registry_for", "update_states"]
 
 DIRECTIONS = ("forward", "backward")
 _TRAILER = 3  # changed flag, fingerprint, -fingerprint
@@ -83,17 +84,19 @@ def update_states(
         # was reused), none moved or resized: one registry, every state already a member.
         last[2].run_event(states, fmax, registered=True)
         return
-    by_device: dict[torch.device, list[ScalingState]] = {}
+    by_place: dict[tuple[torch.device, int] | None, list[ScalingState]] = {}
     for state in states:
-        by_device.setdefault(state.device, []).append(state)
-    # Each device has its own registry (a pool lives on one device). A device with a registry
-    # but no state this time still runs its event: with reduction it is a collective.
-    for device in _registry_devices(recipe, group, direction):
-        by_device.setdefault(device, [])
-    if not by_device:
-        by_device[None] = []  # type: ignore[index]  # nothing anywhere: still take part
+        by_place.setdefault((state.device, state.pool_partition), []).append(state)
+    # Each device (and pool partition) has its own registry: a pool lives on one device. One
+    # with a registry but no state this time still runs its event: with reduction it is a
+    # collective.
+    for place in _registry_places(recipe, group, direction):
+        by_place.setdefault(place, [])
+    if not by_place:
+        by_place[None] = []  # nothing anywhere: still take part
     plan = [
-        (registry_for(recipe, group, direction, device), ran) for device, ran in by_device.items()
+        (registry_for(recipe, group, direction, *(place or (None, 0))), ran)
+        for place, ran in by_place.items()
     ]
     for registry, ran in plan:
         registry.run_event(ran, fmax)
@@ -115,26 +118,57 @@ _last_events: dict[
 ] = {}
 # Which registry each state belongs to (a state joins at most one per direction, device).
 _membership: weakref.WeakKeyDictionary[ScalingState, StateRegistry] = weakref.WeakKeyDictionary()
-_registries: dict[tuple[DelayedScaling, int, str, torch.device | None], StateRegistry] = {}
+_registries: dict[
+    tuple[DelayedScaling, int, str, tuple[torch.device, int] | None], StateRegistry
+] = {}
 
 
 def registry_for(
-    recipe: DelayedScaling, group: Any, direction: str, device: torch.device | None = None
+    recipe: DelayedScaling,
+    group: Any,
+    direction: str,
+    device: torch.device | None = None,
+    partition: int = 0,
 ) -> StateRegistry:
-    """The persistent registry of ``(recipe, group, direction, device)`` (created on first use).
+    """The persistent registry of ``(recipe, group, direction, device, partition)`` (created on
+    first use).
 
-    ``device`` None is the registry of a rank that has no state of this recipe on any device.
+    ``device`` None is the registry of a rank that has no state of this recipe on any device;
+    ``partition`` is :attr:`ScalingState.pool_partition` of its members.
     """
-    key = (recipe, id(group), direction, device)
+    key = (recipe, id(group), direction, None if device is None else (device, partition))
     with _lock:
         registry = _registries.get(key)
         if registry is None:
-            registry = _registries[key] = StateRegistry(recipe, group, direction, device)
+            registry = _registries[key] = StateRegistry(recipe, group, direction, device, partition)
         return registry
 
 
-def _registry_devices(recipe: DelayedScaling, group: Any, direction: str) -> list[torch.device]:
-    """Devices that have a registry of ``(recipe, group, direction)`` with states in it."""
+def pool_states(
+    states: Sequence[ScalingState], recipe: DelayedScaling, group: Any, direction: str
+) -> None:
+    """Make ``states`` members of their registries and lay out the pools now.
+
+    An update event does this on its own; calling it first fixes the buffers' addresses before
+    something keeps them (a CUDA graph capture), as long as membership does not change after.
+    """
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    by_place: dict[tuple[torch.device, int], list[ScalingState]] = {}
+    for state in states:
+        by_place.setdefault((state.device, state.pool_partition), []).append(state)
+    for (device, partition), members in by_place.items():
+        registry = registry_for(recipe, group, direction, device, partition)
+        for state in members:
+            registry.register(state)
+        registry._sync_pool()
+
+
+def _registry_places(
+    recipe: DelayedScaling, group: Any, direction: str
+) -> list[tuple[torch.device, int]]:
+    """(device, partition) pairs with a registry of ``(recipe, group, direction)`` holding
+    states."""
     with _lock:
         return [
             key[3]
@@ -157,12 +191,18 @@ class StateRegistry:
     """
 
     def __init__(
-        self, recipe: DelayedScaling, group: Any, direction: str, device: torch.device | None
+        self,
+        recipe: DelayedScaling,
+        group: Any,
+        direction: str,
+        device: torch.device | None,
+        partition: int = 0,
     ) -> None:
         self.recipe = recipe
         self.group = group  # held strongly: its id() is part of the registry key
         self.direction = direction
         self.device = device
+        self.partition = partition
         self.epoch = 0  # bumped at every membership change (join, leave, death)
         self._refs: list[weakref.ref[ScalingState]] = []
         self._num_live = 0
@@ -217,7 +257,7 @@ class StateRegistry:
         if not (self._membership_changed or self.pool.stale()):
             return
         states = self.states()
-        moved = [s for s in states if s.device != self.device]
+        moved = [s for s in states if s.device != self.device or s.pool_partition != self.partition]
         for state in moved:  # moved to another device since it ran here: it joins that registry
             self.discard(state)
         if moved:

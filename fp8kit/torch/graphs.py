@@ -1,0 +1,255 @@
+"""CUDA graphs of FP8 modules: Transformer Engine's ``make_graphed_callables``
+(docs/decisions/0234-cuda-graphs.md).
+
+A CUDA graph replays kernels, not Python, so the host work of a delayed-scaling call (enrolling
+each scaling state in its next update event) would be lost on replay. This module captures the
+modules with :func:`torch.cuda.make_graphed_callables` inside an autocast while recording those
+enrolments, then wraps each graphed module so a replay re-enrols what the capture recorded: the
+forward states at the call, the backward states when the backward pass reaches the module. The
+update events themselves run outside the graphs (autocast exit, end of backward) and change the
+scales in place, which the graphs read on their next replay.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from fp8kit.torch.autocast import (
+    Enrolment,
+    autocast,
+    current_recipe,
+    recording_enrolments,
+    register_forward_state,
+    schedule_backward_update,
+)
+from fp8kit.torch.state import FP8Meta, ScalingState, bind_recipe, pool_states
+from fp8kit.torch.state.buffers import buffer_generation
+
+__all__ = ["make_graphed_callables"]
+
+_CAPTURED_BUFFERS = ("amax_history", "scale", "update_count")  # what a graph reads or writes
+_partitions = itertools.count(1)  # ScalingState.pool_partition of each capture's states
+
+
+def make_graphed_callables(
+    modules: nn.Module | tuple[nn.Module, ...],
+    sample_args: tuple[Any, ...],
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    *,
+    fp8_enabled: bool = False,
+    fp8_calibrating: bool = False,
+    fp8_recipe: Recipe | None = None,
+    fp8_group: Any = None,
+    pool: Any = None,
+) -> nn.Module | tuple[nn.Module, ...]:
+    """CUDA-graph ``modules`` (forward and backward), FP8 modules included, as Transformer Engine's
+    ``te.make_graphed_callables``.
+
+    Args:
+        modules: an ``nn.Module`` or a tuple of them (no hooks, as torch requires).
+        sample_args: the positional CUDA tensors of one call (a tuple), or one such tuple per
+            module when ``modules`` is a tuple. Replays must use the same shapes and dtypes.
+        num_warmup_iters, allow_unused_input, pool: as :func:`torch.cuda.make_graphed_callables`.
+        fp8_enabled: capture inside ``f8.autocast(recipe=fp8_recipe)`` (False: high precision).
+        fp8_calibrating: capture with ``calibrating=True`` (TE's calibration mode).
+        fp8_recipe: the recipe the graphs are captured with (default ``DelayedScaling()``).
+        fp8_group: the amax reduction group of that recipe.
+
+    Returns:
+        The modules (or module), their ``forward`` replaced by graph replays. Call them inside
+        ``f8.autocast(recipe=fp8_recipe, amax_reduction_group=fp8_group)`` so the update events
+        run; the FP8 state is the same before and after this function (warm-up and capture leave
+        no trace). Keep the set of FP8 modules under the recipe fixed afterwards: a replay raises
+        if the FP8 buffers the graphs hold were replaced (a new module joined their update
+        registry, ``.to()``, a load with another history length).
+    """
+    single = isinstance(modules, nn.Module)
+    module_list = (modules,) if single else modules
+    if not isinstance(module_list, tuple) or not all(isinstance(m, nn.Module) for m in module_list):
+        raise TypeError(
+            f"modules must be an nn.Module or a tuple of nn.Modules, got {type(modules).__name__}"
+        )
+    args_list = (sample_args,) if single else sample_args
+    if (
+        not isinstance(args_list, tuple)
+        or len(args_list) != len(module_list)
+        or not all(isinstance(a, tuple) for a in args_list)
+    ):
+        raise ValueError(
+            f"sample_args must be a tuple of tensors for one module, or one such tuple per module "
+            f"({len(module_list)}), got {type(sample_args).__name__}"
+        )
+    for name, flag in (("fp8_enabled", fp8_enabled), ("fp8_calibrating", fp8_calibrating)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    recipe = DelayedScaling() if fp8_recipe is None else fp8_recipe
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise TypeError(
+            "fp8_recipe must be None, a DelayedScaling or a Float8CurrentScaling, got "
+            f"{type(recipe).__name__}"
+        )
+
+    metas = [m for module in module_list for m in module.modules() if isinstance(m, FP8Meta)]
+    if isinstance(recipe, DelayedScaling) and (fp8_enabled or fp8_calibrating):
+        partition = next(_partitions)  # a pool no later module joins: the addresses stay put
+        for meta in metas:
+            bind_recipe(meta, recipe)
+            meta.forward.pool_partition = meta.backward.pool_partition = partition
+        pool_states([m.forward for m in metas], recipe, fp8_group, "forward")
+        pool_states([m.backward for m in metas], recipe, fp8_group, "backward")
+    states = [s for m in metas for s in (m.forward, m.backward)]
+    saved = [[state._buffers[n].clone() for n in _CAPTURED_BUFFERS] for state in states]
+
+    settings = {
+        "enabled": fp8_enabled,
+        "recipe": recipe,
+        "amax_reduction_group": fp8_group,
+        "calibrating": fp8_calibrating,
+    }
+    originals = [module.__dict__.get("forward") for module in module_list]
+    for module in module_list:
+        module.forward = _in_autocast(module.forward, settings)
+    try:
+        with recording_enrolments() as record:
+            torch.cuda.make_graphed_callables(
+                module_list,
+                args_list,
+                num_warmup_iters=num_warmup_iters,
+                allow_unused_input=allow_unused_input,
+                pool=pool,
+            )
+    except BaseException:
+        for module, original in zip(module_list, originals, strict=True):
+            _restore_forward(module, original)
+        raise
+    finally:
+        with torch.no_grad():  # warm-up and capture leave the FP8 state as it was
+            for state, buffers in zip(states, saved, strict=True):
+                for name, value in zip(_CAPTURED_BUFFERS, buffers, strict=True):
+                    state._buffers[name].copy_(value)
+                state.refresh_derived()
+
+    watch = _BufferWatch(states)
+    for module in module_list:
+        own = {
+            id(s)
+            for m in module.modules()
+            if isinstance(m, FP8Meta)
+            for s in (m.forward, m.backward)
+        }
+        mine = [e for e in record if id(e.state) in own]
+        module.forward = _Replay(
+            module.forward, _unique(mine, False), _unique(mine, True), recipe, watch
+        )
+    return module_list[0] if single else module_list
+
+
+def _in_autocast(forward: Callable[..., Any], settings: dict[str, Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with autocast(**settings):
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def _restore_forward(module: nn.Module, original: Callable[..., Any] | None) -> None:
+    if original is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = original
+
+
+def _unique(record: list[Enrolment], backward: bool) -> tuple[Enrolment, ...]:
+    """The enrolments of one direction, first occurrence of each state kept, in order."""
+    seen: dict[int, Enrolment] = {}
+    for e in record:
+        if e.backward is backward:
+            seen.setdefault(id(e.state), e)
+    return tuple(seen.values())
+
+
+class _BufferWatch:
+    """The FP8 buffers the graphs captured; :meth:`check` raises if any was replaced since."""
+
+    def __init__(self, states: list[ScalingState]) -> None:
+        self.generation = buffer_generation()
+        self.buffers = [(s, [s._buffers[n] for n in _CAPTURED_BUFFERS]) for s in states]
+
+    def check(self) -> None:
+        if buffer_generation() == self.generation:  # nothing anywhere replaced a buffer
+            return
+        for state, captured in self.buffers:
+            for name, tensor in zip(_CAPTURED_BUFFERS, captured, strict=True):
+                if state._buffers[name] is not tensor:
+                    raise RuntimeError(
+                        f"fp8kit: the {name} buffer of {state.label or 'an FP8 state'} was "
+                        "replaced after its CUDA graph was captured (a module joined or left its "
+                        "update registry, .to(), or a load with another history length), so the "
+                        "graph would read stale scales: capture again with make_graphed_callables"
+                    )
+        self.generation = buffer_generation()  # replaced buffers were not ours
+
+
+class _Replay:
+    """A graphed forward that re-enrols, on each replay, what its capture enrolled."""
+
+    def __init__(
+        self,
+        graphed: Callable[..., Any],
+        forward: tuple[Enrolment, ...],
+        backward: tuple[Enrolment, ...],
+        recipe: Recipe,
+        watch: _BufferWatch,
+    ) -> None:
+        self.graphed = graphed
+        self.forward = forward
+        self.backward = backward
+        self.recipe = recipe
+        self.watch = watch
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.forward or self.backward:
+            self.watch.check()
+            active = current_recipe()
+            if active is not None and active != self.recipe:
+                raise ValueError(
+                    f"this module was graphed under {self.recipe!r}, but the active f8.autocast "
+                    f"has {active!r}: call it under the recipe it was captured with"
+                )
+        out = self.graphed(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return out
+        for e in self.forward:
+            register_forward_state(e.state, e.recipe, e.group)
+        if not self.backward:
+            return out
+        if isinstance(out, torch.Tensor):
+            return _EnrolInBackward.apply(self.backward, out)[0] if out.requires_grad else out
+        tensors = [t for t in out if isinstance(t, torch.Tensor) and t.requires_grad]
+        marked = iter(_EnrolInBackward.apply(self.backward, *tensors))
+        return type(out)(
+            next(marked) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in out
+        )
+
+
+class _EnrolInBackward(torch.autograd.Function):
+    """Identity whose backward enrols the graphed module's backward states (the graph's replay
+    runs no Python)."""
+
+    @staticmethod
+    def forward(ctx: Any, enrolments: tuple[Enrolment, ...], *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.enrolments = enrolments
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        for e in ctx.enrolments:
+            schedule_backward_update(e.state, e.recipe, e.group)
+        return (None, *grads)
