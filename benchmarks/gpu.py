@@ -31,6 +31,7 @@ also installs carried wheels and runs the tests). ``docs/benchmarks.md`` explain
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import gc
 import importlib
@@ -68,6 +69,7 @@ from benchmarks.gpu_measure import (
     cuda_time_ms,
     floor_step,
     fp8_linear_like,
+    graphed,
     kernels_cast_transpose,
     profile_counts,
     strict_step,
@@ -240,6 +242,12 @@ def tiny_section(budget: Budget) -> dict[str, Any]:
         "fp8kit current": lambda: training_step(fp8_linear_like(base), x, dy, CURRENT),
         "torchao eager": lambda: training_step(torchao_linear_like(base), x, dy, None),
         "torchao compiled": lambda: training_step(compiled(torchao_linear_like(base)), x, dy, None),
+        "bf16 CUDA graph": lambda: training_step(
+            graphed(copy.deepcopy(base), x, None), x, dy, None
+        ),
+        "fp8kit delayed CUDA graph": lambda: training_step(
+            graphed(fp8_linear_like(base), x, DELAYED), x, dy, DELAYED
+        ),
     }
     rows: dict[str, Any] = {}
     for name, make in variants.items():

@@ -141,6 +141,14 @@ def compiled(module: nn.Module) -> nn.Module:
     return torch.compile(module, dynamic=False)  # type: ignore[return-value]
 
 
+def graphed(module: nn.Module, x: torch.Tensor, recipe: Any) -> nn.Module:
+    """``module`` captured in CUDA graphs, forward and backward, for inputs like ``x``:
+    ``f8.make_graphed_callables`` under ``recipe``, torch's function when ``recipe`` is None."""
+    if recipe is None:
+        return torch.cuda.make_graphed_callables(module, (x,))  # type: ignore[return-value]
+    return f8.make_graphed_callables(module, (x,), fp8_enabled=True, fp8_recipe=recipe)  # type: ignore[return-value]
+
+
 def fp8_linear_like(base: nn.Linear) -> f8.Linear:
     """An ``f8.Linear`` with ``base``'s weight and bias (a fresh FP8 state)."""
     layer = f8.Linear(
