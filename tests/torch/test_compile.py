@@ -268,3 +268,26 @@ def test_cuda_compiled_modes_match_eager(mode: str) -> None:
             outs.append(y.detach().clone())
         assert torch.equal(outs[0], outs[1])
     _assert_same_model(eager, base)
+
+
+def test_inspector_sees_the_same_numbers_in_a_compiled_model() -> None:
+    """The observer runs inside the compiled cast: records equal the eager model's."""
+
+    def records(compile_model: bool) -> list[dict[str, tuple[float, ...]]]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(f8.Linear(16, 16), torch.nn.ReLU(), f8.Linear(16, 16))
+        run = torch.compile(model, fullgraph=True, backend="aot_eager") if compile_model else model
+        inspector = f8.Inspector(model)
+        x = torch.randn(8, 16)
+        out = []
+        for _ in range(3):
+            with inspector:
+                with f8.autocast(recipe=RECIPES["delayed"]):
+                    y = run(x)
+                y.sum().backward()
+                out.append({r.name: (r.amax, r.scale, r.casts, r.snr_db) for r in inspector.step()})
+        return out
+
+    eager = records(False)
+    assert len(eager[-1]) == 6
+    assert records(True) == eager
