@@ -98,8 +98,15 @@ def _autocast_step(recipe: Recipe) -> Callable[[torch.nn.Module, torch.Tensor], 
     return step
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize(
+    ("recipe_name", "dtype"),
+    [
+        ("delayed", torch.float32),
+        ("first_step_current", torch.bfloat16),
+        ("current", torch.bfloat16),
+    ],
+    ids=["delayed-fp32", "first_step_current-bf16", "current-bf16"],
+)
 def test_fullgraph_module_zoo_matches_eager(recipe_name: str, dtype: torch.dtype) -> None:
     recipe = RECIPES[recipe_name]
     eager, _ = _train_side_by_side(
