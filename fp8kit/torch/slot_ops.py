@@ -10,6 +10,8 @@ autocast's ``event_key``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fp8kit.torch.autocast import enrol, event_of
@@ -22,11 +24,14 @@ from fp8kit.torch.state.buffers import state_by_uid
 __all__ = ["quantize_traced", "record_traced"]
 
 # cudagraph_unsafe: the enrolment is host work that a CUDA graph replay would skip, so Inductor
-# keeps this op out of its CUDA graphs (mode="reduce-overhead" graphs the rest around it).
-_OP_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+# keeps this op out of its CUDA graphs (mode="reduce-overhead" graphs the rest around it). Torch
+# releases without the tag (before 2.8) get no tags argument at all.
+_OP_TAGS: dict[str, Any] = (
+    {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
+)
 
 
-@torch.library.custom_op("fp8kit::quantize_slot", mutates_args=("amax_history",), tags=_OP_TAGS)
+@torch.library.custom_op("fp8kit::quantize_slot", mutates_args=("amax_history",), **_OP_TAGS)
 def _quantize_slot_op(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -95,7 +100,7 @@ def _(
     return data, data_t, scale.new_empty(()), db
 
 
-@torch.library.custom_op("fp8kit::record_slot", mutates_args=("amax_history",), tags=_OP_TAGS)
+@torch.library.custom_op("fp8kit::record_slot", mutates_args=("amax_history",), **_OP_TAGS)
 def _record_slot_op(
     x: torch.Tensor,
     amax_history: torch.Tensor,
