@@ -333,6 +333,24 @@ def scenario_ddp(rank: int, world: int, workdir: str) -> dict[str, Any]:
     return {"run": run, "reference": _reference_run(recipe, 3) if rank == 0 else None}
 
 
+def scenario_ddp_compiled(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """DDP under torch.compile (aot_eager: eager's kernels), then the same training eagerly."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    recipe = _recipe(18)
+    runs: dict[str, Any] = {}
+    for name in ("compiled", "eager"):
+        torch.manual_seed(0)
+        ddp = DDP(f8.convert_model(mlp()))
+        model = torch.compile(ddp, backend="aot_eager") if name == "compiled" else ddp
+        x, t = shard(rank, world)
+        runs[name] = _train(model, recipe, x, t, 3, _local_grads)  # type: ignore[arg-type]
+        del ddp, model
+        _cleanup()
+    torch._dynamo.reset()
+    return runs
+
+
 def scenario_ddp_independent(rank: int, world: int, workdir: str) -> dict[str, Any]:
     """reduce_amax=False under DDP: ddp_ignore_fp8_state keeps every rank's own states."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -498,6 +516,7 @@ SCENARIOS_2 = [
     scenario_no_grad_leftover,
     scenario_ddp,
     scenario_ddp_independent,
+    scenario_ddp_compiled,
     scenario_fsdp2,
     scenario_checkpoint_resume,
     scenario_dcp_fsdp2,

@@ -231,6 +231,13 @@ def test_fsdp2_matches_single_process(two: list) -> None:
     _check_parity(scenario_result(two, "scenario_fsdp2"))
 
 
+def test_compiled_ddp_trains_like_eager_ddp(two: list) -> None:
+    """FP8 modules traced by torch.compile inside DDP: gradients and every FP8 state equal the
+    eager DDP run's on every rank, step by step (the amax reduction runs outside the graph)."""
+    for per_rank in scenario_result(two, "scenario_ddp_compiled"):
+        assert per_rank["compiled"] == per_rank["eager"]
+
+
 def test_ddp_without_reduction_keeps_rank_states(two: list) -> None:
     per_rank = scenario_result(two, "scenario_ddp_independent")
     assert per_rank[0]["ignored"][0] == "0.fp8_meta.forward.amax_history"
