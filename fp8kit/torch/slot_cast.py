@@ -16,7 +16,7 @@ from fp8kit.torch.plan import RecipePlan
 from fp8kit.torch.quantization import Float8Tensor
 from fp8kit.torch.state import ScalingState
 
-__all__ = ["cast_into", "quantize_slot"]
+__all__ = ["quantize_slot"]
 
 # Numerics observer (fp8kit.torch.inspect): None unless an Inspector is attached, so the cost of
 # the hook when off is one ``is not None`` test per cast. Called as
@@ -50,35 +50,17 @@ def quantize_slot(
         ``(q, dbias)``: the FP8 tensor (its ``scale_inv`` a fresh tensor, safe to keep across the
         next update event) and the bias gradient or None.
     """
-    views = state.slot_views(slot) if plan.delayed else None
-    return cast_into(x, plan, state, slot, views, backward, record, transpose, dbias)
-
-
-def cast_into(
-    x: torch.Tensor,
-    plan: RecipePlan,
-    state: ScalingState,
-    slot: int,
-    views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    backward: bool,
-    record: bool,
-    transpose: bool,
-    dbias: bool,
-) -> tuple[Float8Tensor, torch.Tensor | None]:
-    """:func:`quantize_slot` with the slot's ``(scale, staging entry, update count)`` one-element
-    views given (None under current scaling): eager calls view the state's buffers, the compiled
-    op the buffers its graph passes in."""
     if backward:
         dtype, fmt = plan.backward_dtype, plan.backward_format
     else:
         dtype, fmt = plan.forward_dtype, plan.forward_format
     observer = _observer
-    if views is None:
+    if not plan.delayed:
         r = cast_fp8_current(
             x, dtype, power_2_scale=plan.power_2_scale, transpose=transpose, dbias=dbias
         )
     else:
-        scale, staging, count = views
+        scale, staging, count = state.slot_views(slot)
         fold = record and observer is None  # an observer needs the amax itself
         r = cast_fp8(
             x,

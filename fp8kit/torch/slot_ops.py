@@ -2,8 +2,8 @@
 (docs/decisions/0233-torch-compile.md).
 
 A traced graph runs no Python of ours, so each op carries what the eager call does around the
-kernel: binding the module's states to the recipe, the cast itself (:func:`cast_into`, the same
-kernels as eager) and the enrolment of the state in its next update event. Ops take integers,
+kernel: binding the module's states to the recipe, the cast itself (:func:`quantize_slot`, the
+same kernels as eager) and the enrolment of the state in its next update event. Ops take integers,
 not Python objects: states are named by ``ScalingState.uid``, ``(recipe, group)`` by the
 autocast's ``event_key``.
 """
@@ -17,7 +17,7 @@ import torch
 from fp8kit.torch.autocast import enrol, event_of
 from fp8kit.torch.plan import plan_for
 from fp8kit.torch.quantization import Float8Tensor, nan_ignoring_amax
-from fp8kit.torch.slot_cast import cast_into
+from fp8kit.torch.slot_cast import quantize_slot
 from fp8kit.torch.state import FP8Meta, bind_state_if_needed
 from fp8kit.torch.state.buffers import state_by_uid
 
@@ -31,12 +31,14 @@ _OP_TAGS: dict[str, Any] = (
 )
 
 
-@torch.library.custom_op("fp8kit::quantize_slot", mutates_args=("amax_history",), **_OP_TAGS)
+# Declared pure, although it folds the amax into the staging entry of the *live* state (found by
+# uid): nothing in a graph reads a staging row, a fold is a max (order-free, idempotent: CSE or
+# reordering change nothing), and the graph then holds no FP8 buffer, so a pool re-laid or a
+# history resized between steps (or between forward and backward) needs no recompile and cannot
+# leave the graph writing into a stale tensor (docs/decisions/0233-torch-compile.md).
+@torch.library.custom_op("fp8kit::quantize_slot", mutates_args=(), **_OP_TAGS)
 def _quantize_slot_op(
     x: torch.Tensor,
-    scale: torch.Tensor,
-    amax_history: torch.Tensor,
-    update_count: torch.Tensor,
     forward_uid: int,
     backward_uid: int,
     event_key: int,
@@ -51,25 +53,14 @@ def _quantize_slot_op(
     ``backward_uid`` (``backward`` picks one), binding both to the recipe first if needed, then
     enrolling the state in its next update event when ``enrol_state``.
 
-    ``scale`` (n,), ``amax_history`` (L, n) and ``update_count`` (n,) are the state's buffers as
-    the graph holds them; the staging entry ``amax_history[0, slot]`` is updated in place.
     Returns ``(data, data_t, scale_inv, dbias)``, with 0-element tensors for outputs not asked.
     """
     plan = plan_for(event_of(event_key)[0])
     state = state_by_uid(backward_uid if backward else forward_uid)
-    views = None
     if plan.delayed:
         for uid in (forward_uid, backward_uid):
             bind_state_if_needed(state_by_uid(uid), plan.recipe)  # type: ignore[arg-type]
-        if amax_history.shape != state.amax_history.shape:
-            # Bound just now: the graph passed the history it read before the resize.
-            amax_history = state.amax_history
-        views = (
-            scale[slot : slot + 1],
-            amax_history[0, slot : slot + 1],
-            update_count[slot : slot + 1],
-        )
-    q, db = cast_into(x, plan, state, slot, views, backward, record, transpose, dbias)
+    q, db = quantize_slot(x, plan, state, slot, backward, record, transpose, dbias)
     if enrol_state:
         enrol(state, event_key, backward)
     data_t = q.data_t if q.data_t is not None else x.new_empty(0, dtype=q.data.dtype)
@@ -79,9 +70,6 @@ def _quantize_slot_op(
 @_quantize_slot_op.register_fake
 def _(
     x: torch.Tensor,
-    scale: torch.Tensor,
-    amax_history: torch.Tensor,
-    update_count: torch.Tensor,
     forward_uid: int,
     backward_uid: int,
     event_key: int,
@@ -97,7 +85,7 @@ def _(
     data = x.new_empty(x.shape, dtype=dtype)
     data_t = x.new_empty((x.shape[1], x.shape[0]) if transpose else (0,), dtype=dtype)
     db = x.new_empty(x.shape[1] if dbias else 0)
-    return data, data_t, scale.new_empty(()), db
+    return data, data_t, x.new_empty((), dtype=torch.float32), db
 
 
 @torch.library.custom_op("fp8kit::record_slot", mutates_args=("amax_history",), **_OP_TAGS)
@@ -149,12 +137,8 @@ def quantize_traced(
 ) -> tuple[Float8Tensor, torch.Tensor | None]:
     """The cast of a traced module call into ``slot`` of ``meta``'s forward or backward state:
     one ``fp8kit::quantize_slot`` node. Returns ``(q, dbias or None)``; ``q.amax`` is None."""
-    state = meta.backward if backward else meta.forward
     data, data_t, scale_inv, db = torch.ops.fp8kit.quantize_slot(
         x,
-        state.scale,
-        state.amax_history,
-        state.update_count,
         meta.forward.uid,
         meta.backward.uid,
         event_key,
