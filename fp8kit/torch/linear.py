@@ -39,9 +39,8 @@ def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> 
 
     ``cache`` (the module's ``_run_cache``) remembers the last recipe, so the steady state costs
     one identity test: the history length and recorded recipe are bound once per recipe. In a
-    graph traced by ``torch.compile`` nothing is bound here (a resize replaces buffers the graph
-    holds): the first update event binds the history length and the compiled cast records the
-    recipe (docs/decisions/0233-torch-compile.md).
+    graph traced by ``torch.compile`` nothing is bound here (binding reads device values and
+    replaces buffers): the compiled cast binds at run time (docs/decisions/0233-torch-compile.md).
     """
     recipe = settings.recipe
     if not torch.compiler.is_compiling():

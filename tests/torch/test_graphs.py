@@ -9,6 +9,7 @@ wrapper alone. On a CUDA machine the last test runs the real capture.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -130,6 +131,16 @@ def test_later_fp8_modules_do_not_move_the_graphed_buffers(emulated_graphs: None
         newcomer(graphed(torch.randn(8, 32))).sum().backward()
     assert graphed[0].fp8_meta.forward.scale is held
     assert graphed[0].fp8_meta.forward.update_count.tolist() == [1, 1, 0]
+
+
+def test_a_copy_of_a_graphed_module_leaves_its_pool(emulated_graphs: None) -> None:
+    """A deep copy (e.g. an EMA model) is in no graph: it must not join, and so re-lay, the
+    graphed states' pool."""
+    graphed = _block()
+    f8.make_graphed_callables(graphed, (torch.randn(8, 32),), fp8_enabled=True, fp8_recipe=RECIPE)
+    copied = copy.deepcopy(graphed)
+    assert graphed[0].fp8_meta.forward.pool_partition != 0
+    assert copied[0].fp8_meta.forward.pool_partition == 0
 
 
 def test_a_replay_refuses_buffers_replaced_after_capture(emulated_graphs: None) -> None:

@@ -149,6 +149,7 @@ class ScalingState(nn.Module):
         super().__setstate__(state)
         self.uid = next(_uids)  # a copy (deepcopy, unpickling) is a state of its own
         _states_by_uid[self.uid] = self
+        self.pool_partition = 0  # and is in no CUDA graph
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -227,7 +228,7 @@ class ScalingState(nn.Module):
         """True if no update ever completed (counts 0, completed history rows 0).
 
         The staging row does not count: resizing keeps it, so a state that has only recorded
-        (e.g. the first step of a compiled model, bound at its first event) loses nothing.
+        (e.g. a ``no_grad`` forward under a recipe with another history length) loses nothing.
         """
         return not bool(self.update_count.any()) and not bool(self.amax_history[1:].any())
 
