@@ -128,6 +128,21 @@ class _RecipeBase:
             object.__setattr__(self, name, _coerce_gemm_flags(name, getattr(self, name)))
         _require_bool("power_2_scale", self.power_2_scale)
 
+    def _cached_hash(self) -> int:
+        """The dataclass hash (type and fields), computed once: recipes key several lookups per
+        module call (plans, update events, registries). Not pickled: hashes differ between
+        processes."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((type(self), *(getattr(self, f.name) for f in fields(self))))  # type: ignore[arg-type]
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)
+        return state
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-compatible description of the recipe (callables become ``{"callable": name}``)."""
         out: dict[str, Any] = {"type": type(self).__name__}
@@ -178,6 +193,8 @@ class DelayedScaling(_RecipeBase):
     reduce_amax: bool = True
     power_2_scale: bool = False
     first_step_scaling: str = "unity"
+
+    __hash__ = _RecipeBase._cached_hash  # explicit, so the dataclass keeps it
 
     def __post_init__(self) -> None:
         self._validate_common()
@@ -241,6 +258,8 @@ class Float8CurrentScaling(_RecipeBase):
     override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
     fast_accumulation: tuple[bool, bool, bool] = (True, False, False)
     power_2_scale: bool = False
+
+    __hash__ = _RecipeBase._cached_hash  # explicit, so the dataclass keeps it
 
     def __post_init__(self) -> None:
         self._validate_common()

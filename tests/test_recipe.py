@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
+import pickle
 import subprocess
 import sys
 
@@ -52,6 +55,19 @@ def test_recipes_are_frozen_hashable_and_compare_by_value() -> None:
     with pytest.raises(AttributeError):
         a.margin = 3  # type: ignore[misc]
     assert {a: 1}[b] == 1
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(margin=1), Float8CurrentScaling()])
+def test_the_cached_hash_is_the_field_hash_and_is_not_pickled(recipe: object) -> None:
+    """The hash is computed once per recipe; copies and unpickled recipes (another process has
+    other hashes) compute their own, equal to that of an equal recipe."""
+    fields = tuple(getattr(recipe, f.name) for f in dataclasses.fields(recipe))  # type: ignore[arg-type]
+    assert hash(recipe) == hash((type(recipe), *fields))
+    for copied in (pickle.loads(pickle.dumps(recipe)), copy.deepcopy(recipe)):
+        assert "_hash" not in pickle.loads(pickle.dumps(recipe)).__dict__
+        assert copied == recipe and hash(copied) == hash(recipe)
+    changed = dataclasses.replace(recipe, power_2_scale=True)  # type: ignore[type-var]
+    assert changed != recipe and hash(changed) != hash(recipe)
 
 
 @pytest.mark.parametrize("name", ["hybrid", "HYBRID", "Hybrid", "e4m3", "E4M3"])
