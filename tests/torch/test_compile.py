@@ -298,3 +298,22 @@ def test_inspector_sees_the_same_numbers_in_a_compiled_model() -> None:
     eager = records(False)
     assert len(eager[-1]) == 6
     assert records(True) == eager
+
+
+def test_dynamic_shapes_trace_once_and_match_eager() -> None:
+    """``dynamic=True``: batch sizes that need padding to the GEMM alignment and ones that do
+    not share one graph, with eager's numbers."""
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(f8.Linear(32, 64), torch.nn.ReLU(), f8.Linear(64, 16))
+
+    eager, base = make(), make()
+    compiled = torch.compile(base, fullgraph=True, backend="aot_eager", dynamic=True)
+    step = _autocast_step(RECIPES["delayed"])
+    gen = torch.Generator().manual_seed(3)
+    for rows in (8, 24, 7, 33):
+        x = torch.randn(rows, 32, generator=gen)
+        assert torch.equal(step(eager, x).detach(), step(compiled, x).detach()), rows
+    _assert_same_model(eager, base)
+    assert counters["stats"]["unique_graphs"] == 1
