@@ -279,6 +279,12 @@ class autocast(contextlib.ContextDecorator):
         self._mha_fastpath: list[bool] = []
 
     def __enter__(self) -> autocast:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "f8.autocast was entered inside a function that torch.compile is tracing: enter "
+                "it around the compiled call instead (its update events run at its exit, outside "
+                "the graph; docs/decisions/0233-torch-compile.md)"
+            )
         stack = _stack()
         active = self.enabled or self.calibrating
         owns = active and not any(f.owns_updates for f in stack)

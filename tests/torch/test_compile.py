@@ -317,3 +317,21 @@ def test_dynamic_shapes_trace_once_and_match_eager() -> None:
         assert torch.equal(step(eager, x).detach(), step(compiled, x).detach()), rows
     _assert_same_model(eager, base)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_autocast_inside_the_compiled_function_is_named() -> None:
+    """The autocast belongs around the compiled call: with fullgraph=True entering it inside is
+    an error that says so; without, Dynamo falls back to eager there and training works."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(f8.Linear(32, 16))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with f8.autocast(recipe=RECIPES["delayed"]):
+            return model(x)
+
+    strict = torch.compile(forward, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"inside a function that torch\.compile is tracing"):
+        strict(torch.randn(8, 32))
+    lenient = torch.compile(forward, backend="aot_eager")
+    lenient(torch.randn(8, 32)).sum().backward()
+    assert model[0].fp8_meta.forward.update_count.tolist() == [1, 1, 0]
