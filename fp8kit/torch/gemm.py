@@ -164,17 +164,23 @@ def fp8_gemm(
     Returns:
         ``(M, N)`` tensor of ``out_dtype``.
     """
+    a_scale_inv, b_scale_inv = _scalar(a_scale_inv), _scalar(b_scale_inv)
     if a.device.type == "cpu" and cpu_gemm_backend() == "dequant":
         return _dequant_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
     return torch._scaled_mm(
         a,
         b,
-        scale_a=a_scale_inv.reshape(()),
-        scale_b=b_scale_inv.reshape(()),
+        scale_a=a_scale_inv,
+        scale_b=b_scale_inv,
         bias=bias,
         out_dtype=out_dtype,
         use_fast_accum=fast_accum,
     )
+
+
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    """A one-element tensor as 0-d; the casts' scale_inv already is (no view op then)."""
+    return t if t.dim() == 0 else t.reshape(())
 
 
 def _dequant_mm(
@@ -193,8 +199,8 @@ def _dequant_mm(
     the native kernel where it is built (:func:`fp8kit.torch.kernels.dequantize_fp8`, the same
     bits, 4-15x faster than torch's conversion on this CPU); the scale_inv product is applied
     after the GEMM, then the bias in float32, then one rounding to ``out_dtype``."""
-    acc = kernels.dequantize_fp8(a) @ kernels.dequantize_fp8(b)
-    out = acc.mul_(a_scale_inv.reshape(()) * b_scale_inv.reshape(()))
+    acc = torch.mm(kernels.dequantize_fp8(a), kernels.dequantize_fp8(b))
+    out = acc.mul_(a_scale_inv * b_scale_inv)  # 0-d factors (fp8_gemm)
     if bias is not None:
         out = out.add_(bias)
     return out if out_dtype == torch.float32 else out.to(out_dtype)
