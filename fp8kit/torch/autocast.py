@@ -105,11 +105,18 @@ _event_keys: dict[tuple[Recipe, int], int] = {}
 _events: dict[int, tuple[Recipe, Any]] = {}
 
 
+_event_keys_lock = threading.Lock()
+
+
 def _event_key(recipe: Recipe, group: Any) -> int:
     key = _event_keys.get((recipe, id(group)))
     if key is None:
-        key = _event_keys[(recipe, id(group))] = len(_events) + 1
-        _events[key] = (recipe, group)
+        with _event_keys_lock:  # threads entering autocasts at once get distinct keys
+            key = _event_keys.get((recipe, id(group)))
+            if key is None:
+                key = len(_events) + 1
+                _events[key] = (recipe, group)
+                _event_keys[(recipe, id(group))] = key
     return key
 
 

@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from fp8kit.torch.autocast import (
     Enrolment,
     autocast,
-    current_recipe,
+    current_settings,
     recording_enrolments,
     register_forward_state,
     schedule_backward_update,
@@ -146,7 +147,11 @@ def make_graphed_callables(
         }
         mine = [e for e in record if id(e.state) in own]
         module.forward = _Replay(
-            module.forward, _unique(mine, False), _unique(mine, True), recipe, watch
+            module.forward,
+            _unique(mine, False),
+            _unique(mine, True),
+            (fp8_enabled, fp8_calibrating, recipe, fp8_group),
+            watch,
         )
     return module_list[0] if single else module_list
 
@@ -198,45 +203,71 @@ class _BufferWatch:
 
 
 class _Replay:
-    """A graphed forward that re-enrols, on each replay, what its capture enrolled."""
+    """A graphed forward that re-enrols, on each replay, what its capture enrolled.
+
+    ``settings``: ``(enabled, calibrating, recipe, group)`` of the capture's autocast; a replay
+    with FP8 state to enrol needs an active autocast with exactly these.
+    """
 
     def __init__(
         self,
         graphed: Callable[..., Any],
         forward: tuple[Enrolment, ...],
         backward: tuple[Enrolment, ...],
-        recipe: Recipe,
+        settings: tuple[bool, bool, Recipe, Any],
         watch: _BufferWatch,
     ) -> None:
         self.graphed = graphed
         self.forward = forward
         self.backward = backward
-        self.recipe = recipe
+        self.settings = settings
         self.watch = watch
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.forward or self.backward:
-            self.watch.check()
-            active = current_recipe()
-            if active is not None and active != self.recipe:
-                raise ValueError(
-                    f"this module was graphed under {self.recipe!r}, but the active f8.autocast "
-                    f"has {active!r}: call it under the recipe it was captured with"
-                )
+        if not (self.forward or self.backward):
+            return self.graphed(*args, **kwargs)
+        self.watch.check()
+        active = current_settings()
+        enabled, calibrating, recipe, group = self.settings
+        if (
+            active is None
+            or (active.fp8, active.calibrating) != (enabled, calibrating)
+            or active.recipe != recipe
+            or active.group is not group
+        ):
+            now = (
+                "no f8.autocast is active"
+                if active is None
+                else f"the active one has enabled={active.fp8}, calibrating={active.calibrating}, "
+                f"recipe={active.recipe!r}, amax_reduction_group={active.group!r}"
+            )
+            raise ValueError(
+                "this module was graphed inside f8.autocast(enabled="
+                f"{enabled}, calibrating={calibrating}, recipe={recipe!r}, "
+                f"amax_reduction_group={group!r}), but {now}: call it under the settings it "
+                "was captured with (the graph holds their FP8 casts)"
+            )
         out = self.graphed(*args, **kwargs)
-        if not torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()
+        if (
+            grad or calibrating
+        ):  # as an eager call: forward states roll when training or calibrating
+            for e in self.forward:
+                register_forward_state(e.state, e.recipe, e.group)
+        if not (grad and self.backward):
             return out
-        for e in self.forward:
-            register_forward_state(e.state, e.recipe, e.group)
-        if not self.backward:
-            return out
-        if isinstance(out, torch.Tensor):
-            return _EnrolInBackward.apply(self.backward, out)[0] if out.requires_grad else out
-        tensors = [t for t in out if isinstance(t, torch.Tensor) and t.requires_grad]
-        marked = iter(_EnrolInBackward.apply(self.backward, *tensors))
-        return type(out)(
-            next(marked) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in out
-        )
+        leaves, spec = tree_flatten(out)
+        marked = [
+            i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if marked:
+            for i, t in zip(
+                marked,
+                _EnrolInBackward.apply(self.backward, *(leaves[i] for i in marked)),
+                strict=True,
+            ):
+                leaves[i] = t
+        return tree_unflatten(leaves, spec)
 
 
 class _EnrolInBackward(torch.autograd.Function):

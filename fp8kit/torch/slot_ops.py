@@ -31,13 +31,17 @@ _OP_TAGS: dict[str, Any] = (
 )
 
 
-# Declared pure, although it folds the amax into the staging entry of the *live* state (found by
-# uid): nothing in a graph reads a staging row, a fold is a max (order-free, idempotent: CSE or
-# reordering change nothing), and the graph then holds no FP8 buffer, so a pool re-laid or a
-# history resized between steps (or between forward and backward) needs no recompile and cannot
-# leave the graph writing into a stale tensor (docs/decisions/0233-torch-compile.md).
-@torch.library.custom_op("fp8kit::quantize_slot", mutates_args=(), **_OP_TAGS)
+# The ops fold into the staging entry of the *live* state (found by uid) instead of a buffer the
+# graph holds: nothing in a graph reads a staging row, the scale changes only at update events
+# (outside the graph) and a fold is a max (order-free, idempotent). So the graph guards on no FP8
+# buffer: a pool re-laid or a history resized between steps (or between forward and backward)
+# needs no recompile and cannot leave a graph writing into a stale tensor. What the ops declare
+# mutated is the state's 0-element ``op_token``: that keeps every cast in the forward graph (the
+# partitioner would otherwise move one that only the backward uses past the forward update
+# event) and keeps a cast no GEMM uses from being dropped (docs/decisions/0233-torch-compile.md).
+@torch.library.custom_op("fp8kit::quantize_slot", mutates_args=("token",), **_OP_TAGS)
 def _quantize_slot_op(
+    token: torch.Tensor,
     x: torch.Tensor,
     forward_uid: int,
     backward_uid: int,
@@ -51,7 +55,8 @@ def _quantize_slot_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_slot` for the module whose states have uids ``forward_uid`` /
     ``backward_uid`` (``backward`` picks one), binding both to the recipe first if needed, then
-    enrolling the state in its next update event when ``enrol_state``.
+    enrolling the state in its next update event when ``enrol_state``. ``token``: the state's
+    ``op_token`` (its contents are never touched).
 
     Returns ``(data, data_t, scale_inv, dbias)``, with 0-element tensors for outputs not asked.
     """
@@ -69,6 +74,7 @@ def _quantize_slot_op(
 
 @_quantize_slot_op.register_fake
 def _(
+    token: torch.Tensor,
     x: torch.Tensor,
     forward_uid: int,
     backward_uid: int,
@@ -88,10 +94,10 @@ def _(
     return data, data_t, x.new_empty((), dtype=torch.float32), db
 
 
-@torch.library.custom_op("fp8kit::record_slot", mutates_args=("amax_history",), **_OP_TAGS)
+@torch.library.custom_op("fp8kit::record_slot", mutates_args=("token",), **_OP_TAGS)
 def _record_slot_op(
+    token: torch.Tensor,
     x: torch.Tensor,
-    amax_history: torch.Tensor,
     forward_uid: int,
     backward_uid: int,
     event_key: int,
@@ -99,22 +105,21 @@ def _record_slot_op(
     enrol_state: bool,
 ) -> None:
     """:meth:`FP8Run.record_forward` in a compiled graph: bind (as :func:`_quantize_slot_op`),
-    fold ``max |x|`` (NaN ignored) into ``amax_history[0, slot]``, enrol when ``enrol_state``."""
+    fold ``max |x|`` (NaN ignored) into the live forward state's staging entry ``slot``, enrol
+    when ``enrol_state``. ``token``: the forward state's ``op_token``."""
     recipe = event_of(event_key)[0]
     state = state_by_uid(forward_uid)
     for uid in (forward_uid, backward_uid):
         bind_state_if_needed(state_by_uid(uid), recipe)  # type: ignore[arg-type]
-    if amax_history.shape != state.amax_history.shape:
-        amax_history = state.amax_history
-    amax_history[0, slot : slot + 1].clamp_(min=nan_ignoring_amax(x))
+    state.record_amax(slot, nan_ignoring_amax(x))
     if enrol_state:
         enrol(state, event_key, False)
 
 
 @_record_slot_op.register_fake
 def _(
+    token: torch.Tensor,
     x: torch.Tensor,
-    amax_history: torch.Tensor,
     forward_uid: int,
     backward_uid: int,
     event_key: int,
@@ -137,7 +142,9 @@ def quantize_traced(
 ) -> tuple[Float8Tensor, torch.Tensor | None]:
     """The cast of a traced module call into ``slot`` of ``meta``'s forward or backward state:
     one ``fp8kit::quantize_slot`` node. Returns ``(q, dbias or None)``; ``q.amax`` is None."""
+    state = meta.backward if backward else meta.forward
     data, data_t, scale_inv, db = torch.ops.fp8kit.quantize_slot(
+        state.op_token,
         x,
         meta.forward.uid,
         meta.backward.uid,
@@ -158,8 +165,8 @@ def record_traced(
 ) -> None:
     """The amax record of a traced calibration call: one ``fp8kit::record_slot`` node."""
     torch.ops.fp8kit.record_slot(
+        meta.forward.op_token,
         x,
-        meta.forward.amax_history,
         meta.forward.uid,
         meta.backward.uid,
         event_key,

@@ -335,3 +335,33 @@ def test_autocast_inside_the_compiled_function_is_named() -> None:
     lenient = torch.compile(forward, backend="aot_eager")
     lenient(torch.randn(8, 32)).sum().backward()
     assert model[0].fp8_meta.forward.update_count.tolist() == [1, 1, 0]
+
+
+@pytest.mark.parametrize("input_grad", [True, False], ids=["x-grad", "x-no-grad"])
+@pytest.mark.parametrize(
+    "override", [(True, False, False), (False, True, True)], ids=["hp-fprop", "hp-dgrad-wgrad"]
+)
+def test_casts_only_one_pass_uses_stay_in_the_forward(
+    override: tuple[bool, bool, bool], input_grad: bool
+) -> None:
+    """With a high-precision fprop the FP8 weight feeds only dgrad (none at all when x needs no
+    gradient): the compiled cast must still run in the forward, before the update event, and
+    record as eager does (a compiler may neither move it to the backward nor drop it)."""
+    recipe = DelayedScaling(amax_history_len=4, override_linear_precision=override)
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return f8.Linear(32, 16)
+
+    def inputs(gen: torch.Generator) -> torch.Tensor:
+        return (torch.randn(16, 32, generator=gen) * 3).requires_grad_(input_grad)
+
+    def step(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().requires_grad_(input_grad)
+        with f8.autocast(recipe=recipe):
+            y = model(x)
+        y.float().square().sum().backward()
+        return torch.cat([y.flatten(), x.grad.flatten()]) if input_grad else y
+
+    eager, _ = _train_side_by_side(make, step, inputs)
+    assert eager.fp8_meta.forward.update_count.tolist()[:2] == [4, 4]

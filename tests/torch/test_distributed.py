@@ -367,4 +367,5 @@ def test_ddp_ignore_lists_fp8_buffers() -> None:
     assert "2.fp8_meta.backward.update_count" in names
     assert not any("weight" in n or n.endswith("bias") for n in names)
     assert set(names) <= set(model._ddp_params_and_buffers_to_ignore)
-    assert len(names) == 2 * 2 * 5  # 2 layers x 2 directions x (history, scale, inv, 2 counts)
+    # 2 layers x 2 directions x (history, scale, inv, 2 counts, op token)
+    assert len(names) == 2 * 2 * 6

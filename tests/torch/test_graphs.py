@@ -155,14 +155,41 @@ def test_a_replay_refuses_buffers_replaced_after_capture(emulated_graphs: None) 
         graphed(torch.randn(8, 32))
 
 
-def test_a_replay_refuses_another_recipe(emulated_graphs: None) -> None:
+def test_a_replay_refuses_other_autocast_settings(emulated_graphs: None) -> None:
+    """The graph holds the capture's FP8 casts: outside an autocast, or under another recipe or
+    mode, a replay would compute or record what eager code would not."""
     graphed = _block()
     f8.make_graphed_callables(graphed, (torch.randn(8, 32),), fp8_enabled=True, fp8_recipe=RECIPE)
-    with (
-        pytest.raises(ValueError, match="graphed under"),
+    x = torch.randn(8, 32)
+    with pytest.raises(ValueError, match=r"no f8\.autocast is active"):
+        graphed(x)
+    for other in (
         f8.autocast(recipe=DelayedScaling(amax_history_len=8)),
+        f8.autocast(recipe=RECIPE, calibrating=True),
     ):
-        graphed(torch.randn(8, 32))
+        with pytest.raises(ValueError, match=r"was graphed inside f8\.autocast"), other:
+            graphed(x)
+
+
+def test_a_graphed_calibration_rolls_forward_scales_without_grad(emulated_graphs: None) -> None:
+    """Calibration (no grad) updates forward scales, graphed as eager."""
+    eager, graphed = _block(), _block()
+    sample = torch.randn(8, 32)
+    f8.make_graphed_callables(
+        graphed, (sample,), fp8_enabled=True, fp8_calibrating=True, fp8_recipe=RECIPE
+    )
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x = torch.randn(8, 32, generator=gen)
+        outs = []
+        for model in (eager, graphed):
+            with torch.no_grad(), f8.autocast(recipe=RECIPE, calibrating=True):
+                outs.append(model(x))
+        assert torch.equal(*outs)
+    assert graphed[0].fp8_meta.forward.update_count.tolist() == [3, 3, 0]
+    for (k, a), b in zip(eager.state_dict().items(), graphed.state_dict().values(), strict=True):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), k
 
 
 @pytest.mark.parametrize(

@@ -128,6 +128,9 @@ class ScalingState(nn.Module):
         self.register_buffer(
             "update_count", torch.zeros(num_slots, dtype=torch.int64, device=device)
         )
+        # Compiled casts declare this 0-element tensor mutated: a compiler then keeps each cast in
+        # the forward graph and never drops it (docs/decisions/0233-torch-compile.md).
+        self.register_buffer("op_token", torch.empty(0, **kw), persistent=False)
         self.register_buffer(
             "nonfinite_count",
             torch.zeros(num_slots, dtype=torch.int64, device=device),

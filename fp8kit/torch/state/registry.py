@@ -94,9 +94,11 @@ def update_states(
         by_place.setdefault(place, [])
     if not by_place:
         by_place[None] = []  # nothing anywhere: still take part
+    # One collective per place with reduction: every rank takes the places in the same order,
+    # whichever of its modules ran first.
     plan = [
-        (registry_for(recipe, group, direction, *(place or (None, 0))), ran)
-        for place, ran in by_place.items()
+        (registry_for(recipe, group, direction, *(place or (None, 0))), by_place[place])
+        for place in sorted(by_place, key=_place_order)
     ]
     for registry, ran in plan:
         registry.run_event(ran, fmax)
@@ -162,6 +164,13 @@ def pool_states(
         for state in members:
             registry.register(state)
         registry._sync_pool()
+
+
+def _place_order(place: tuple[torch.device, int] | None) -> tuple[str, int, int]:
+    if place is None:
+        return ("", -1, -1)
+    device, partition = place
+    return (device.type, -1 if device.index is None else device.index, partition)
 
 
 def _registry_places(
