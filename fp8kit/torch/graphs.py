@@ -65,11 +65,12 @@ def make_graphed_callables(
 
     Returns:
         The modules (or module), their ``forward`` replaced by graph replays. Call them inside
-        ``f8.autocast(recipe=fp8_recipe, amax_reduction_group=fp8_group)`` so the update events
-        run; the FP8 state is the same before and after this function (warm-up and capture leave
-        no trace). Keep the set of FP8 modules under the recipe fixed afterwards: a replay raises
-        if the FP8 buffers the graphs hold were replaced (a new module joined their update
-        registry, ``.to()``, a load with another history length).
+        an ``f8.autocast`` with the capture's settings (``enabled=fp8_enabled``,
+        ``calibrating=fp8_calibrating``, ``recipe=fp8_recipe``, ``amax_reduction_group=fp8_group``;
+        anything else raises), so the update events run. The FP8 state is the same before and
+        after this function (warm-up and capture leave no trace). A replay raises if the FP8
+        buffers the graphs hold were replaced (``.to()``, a load with another history length);
+        FP8 modules created later do not move them (they use other pools).
     """
     single = isinstance(modules, nn.Module)
     module_list = (modules,) if single else modules
@@ -195,9 +196,10 @@ class _BufferWatch:
                 if state._buffers[name] is not tensor:
                     raise RuntimeError(
                         f"fp8kit: the {name} buffer of {state.label or 'an FP8 state'} was "
-                        "replaced after its CUDA graph was captured (a module joined or left its "
-                        "update registry, .to(), or a load with another history length), so the "
-                        "graph would read stale scales: capture again with make_graphed_callables"
+                        "replaced after its CUDA graph was captured (.to(), a load with another "
+                        "history length, or a graphed module deleted, which re-lays the pool), so "
+                        "the graph would read stale scales: capture again with "
+                        "make_graphed_callables"
                     )
         self.generation = buffer_generation()  # replaced buffers were not ours
 
