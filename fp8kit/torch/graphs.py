@@ -207,8 +207,8 @@ class _BufferWatch:
 class _Replay:
     """A graphed forward that re-enrols, on each replay, what its capture enrolled.
 
-    ``settings``: ``(enabled, calibrating, recipe, group)`` of the capture's autocast; a replay
-    with FP8 state to enrol needs an active autocast with exactly these.
+    ``settings``: ``(enabled, calibrating, recipe, group)`` of the capture's autocast; unless
+    the capture ran in high precision, a replay needs an active autocast with exactly these.
     """
 
     def __init__(
@@ -226,11 +226,11 @@ class _Replay:
         self.watch = watch
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not (self.forward or self.backward):
+        enabled, calibrating, recipe, group = self.settings
+        if not (enabled or calibrating):  # a high-precision capture: nothing of fp8kit's to check
             return self.graphed(*args, **kwargs)
         self.watch.check()
         active = current_settings()
-        enabled, calibrating, recipe, group = self.settings
         if (
             active is None
             or (active.fp8, active.calibrating) != (enabled, calibrating)
@@ -251,9 +251,8 @@ class _Replay:
             )
         out = self.graphed(*args, **kwargs)
         grad = torch.is_grad_enabled()
-        if (
-            grad or calibrating
-        ):  # as an eager call: forward states roll when training or calibrating
+        # As in an eager call, forward states roll when training or calibrating.
+        if grad or calibrating:
             for e in self.forward:
                 register_forward_state(e.state, e.recipe, e.group)
         if not (grad and self.backward):

@@ -169,6 +169,10 @@ def test_a_replay_refuses_other_autocast_settings(emulated_graphs: None) -> None
     ):
         with pytest.raises(ValueError, match=r"was graphed inside f8\.autocast"), other:
             graphed(x)
+    current = _block()  # current scaling enrols nothing, and still computes in FP8
+    f8.make_graphed_callables(current, (x,), fp8_enabled=True, fp8_recipe=f8.Float8CurrentScaling())
+    with pytest.raises(ValueError, match=r"no f8\.autocast is active"):
+        current(x)
 
 
 def test_a_graphed_calibration_rolls_forward_scales_without_grad(emulated_graphs: None) -> None:
