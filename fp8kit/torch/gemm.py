@@ -31,6 +31,7 @@ __all__ = [
     "check_bias_contract",
     "cpu_gemm_backend",
     "fp8_gemm",
+    "fp8_gemm_bias",
     "fp8_matmul",
     "pad_to_alignment",
     "scaled_mm",
@@ -178,6 +179,35 @@ def fp8_gemm(
     )
 
 
+def fp8_gemm_bias(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """:func:`fp8_gemm` with a bias of any float dtype, rounded once to ``out_dtype``.
+
+    The bias is fused where the GEMM can add it: always in the CPU's dequant GEMM (its epilogue,
+    :func:`fp8kit.torch.kernels.gemm_epilogue`), in cuBLASLt for a bias of the bfloat16 /
+    float16 output's dtype. Otherwise the GEMM writes float32, the bias is added in float32 and
+    the sum is rounded once: the same numbers as the fused CPU epilogue.
+    """
+    if bias is None or _fuses_bias(a, out_dtype, bias):
+        return fp8_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias=bias, fast_accum=fast_accum)
+    y = fp8_gemm(a, b, a_scale_inv, b_scale_inv, torch.float32, fast_accum=fast_accum)
+    y = y.add_(bias)
+    return y if out_dtype == torch.float32 else y.to(out_dtype)
+
+
+def _fuses_bias(a: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor) -> bool:
+    if a.device.type == "cpu" and cpu_gemm_backend() == "dequant":
+        return True
+    return out_dtype in FUSED_BIAS_DTYPES and bias.dtype == out_dtype
+
+
 def _scalar(t: torch.Tensor) -> torch.Tensor:
     """A one-element tensor as 0-d; the casts' scale_inv already is (no view op then)."""
     return t if t.dim() == 0 else t.reshape(())
@@ -197,13 +227,11 @@ def _dequant_mm(
 
     The upcasts (``data.to(torch.float32)``, unscaled, same layout: B stays column-major) run in
     the native kernel where it is built (:func:`fp8kit.torch.kernels.dequantize_fp8`, the same
-    bits, 4-15x faster than torch's conversion on this CPU); the scale_inv product is applied
-    after the GEMM, then the bias in float32, then one rounding to ``out_dtype``."""
+    bits, 4-15x faster than torch's conversion on this CPU); the epilogue
+    (:func:`fp8kit.torch.kernels.gemm_epilogue`, one native pass) applies the scale_inv product,
+    adds the bias (any float dtype) in float32 and rounds once to ``out_dtype``."""
     acc = torch.mm(kernels.dequantize_fp8(a), kernels.dequantize_fp8(b))
-    out = acc.mul_(a_scale_inv * b_scale_inv)  # 0-d factors (fp8_gemm)
-    if bias is not None:
-        out = out.add_(bias)
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
+    return kernels.gemm_epilogue(acc, a_scale_inv, b_scale_inv, out_dtype, bias=bias)
 
 
 CPU_GEMM_BACKENDS = ("dequant", "scaled_mm")

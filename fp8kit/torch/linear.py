@@ -17,7 +17,7 @@ from torch import nn
 
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch.autocast import FP8Settings, current_settings
-from fp8kit.torch.gemm import FUSED_BIAS_DTYPES, GEMM_ALIGNMENT, fp8_gemm, padded_mm
+from fp8kit.torch.gemm import FUSED_BIAS_DTYPES, GEMM_ALIGNMENT, fp8_gemm_bias, padded_mm
 from fp8kit.torch.quantization import Float8Tensor, check_high_precision
 from fp8kit.torch.quantizer import FP8Run
 from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, bind_recipe, bwd_slot, fwd_slot
@@ -146,26 +146,23 @@ def _gemm(
 ) -> torch.Tensor:
     """``a @ b * a_scale_inv * b_scale_inv (+ bias)`` rounded once to ``out_dtype``.
 
-    ``a`` (M, K) row-major and ``b`` (K, N) column-major FP8. Aligned shapes take one
-    ``_scaled_mm`` with the bias in its epilogue where cuBLASLt allows it (bias of the output's
-    bfloat16/float16 dtype); otherwise the GEMM writes float32, the bias is added in float32 and
-    the sum is rounded once, as before. Unaligned shapes are zero-padded (:func:`padded_mm`).
+    ``a`` (M, K) row-major and ``b`` (K, N) column-major FP8. Aligned shapes take one GEMM with
+    the bias fused where the backend can (:func:`~fp8kit.torch.gemm.fp8_gemm_bias`). Unaligned
+    shapes are zero-padded (:func:`padded_mm`); the bias is fused there for a bfloat16/float16
+    output of its dtype, else added in float32 and the sum rounded once.
     """
+    if _aligned(a.shape[0], a.shape[1], b.shape[1]):
+        return fp8_gemm_bias(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum)
     fuse = bias is not None and out_dtype in FUSED_BIAS_DTYPES and bias.dtype == out_dtype
     gemm_dtype = out_dtype if bias is None or fuse else torch.float32
     gemm_bias = bias if fuse else None
-    if _aligned(a.shape[0], a.shape[1], b.shape[1]):
-        y = fp8_gemm(
-            a, b, a_scale_inv, b_scale_inv, gemm_dtype, bias=gemm_bias, fast_accum=fast_accum
-        )
-    else:
-        y = padded_mm(
-            Float8Tensor(a, a_scale_inv),
-            Float8Tensor(b, b_scale_inv),
-            gemm_dtype,
-            bias=gemm_bias,
-            use_fast_accum=fast_accum,
-        )
+    y = padded_mm(
+        Float8Tensor(a, a_scale_inv),
+        Float8Tensor(b, b_scale_inv),
+        gemm_dtype,
+        bias=gemm_bias,
+        use_fast_accum=fast_accum,
+    )
     if bias is not None and not fuse:
         y = y.add_(bias)
         if out_dtype != torch.float32:

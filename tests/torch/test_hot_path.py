@@ -87,6 +87,20 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], _KernelCou
             return real_update(*args, **kwargs)
 
     monkeypatch.setattr(update_apply, "delayed_update_", wrapped_update)
+    real_prepare = update_apply.prepare_delayed_update
+
+    def wrapped_prepare(*args, **kwargs):  # type: ignore[no-untyped-def]
+        update = real_prepare(*args, **kwargs)  # the steady-state event: counted per call
+
+        def counted_update() -> None:
+            for c in counters:
+                c.ops["fp8kit.delayed_update_"] += 1
+            with _Paused(counters):
+                update()
+
+        return counted_update
+
+    monkeypatch.setattr(update_apply, "prepare_delayed_update", wrapped_prepare)
     previous = gemm.cpu_gemm_backend()
     gemm.set_cpu_gemm_backend("scaled_mm")
 

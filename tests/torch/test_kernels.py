@@ -33,7 +33,7 @@ import torch
 from fp8kit.formats import E4M3, E5M2, FP8Format
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch import kernels
-from fp8kit.torch.kernels import dispatch
+from fp8kit.torch.kernels import dispatch, native
 from fp8kit.torch.kernels._common import cast_spec as _spec
 from fp8kit.torch.quantization import (
     Float8Tensor,
@@ -758,13 +758,13 @@ def test_dequantize_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
     if not kernels.native_available():
         pytest.skip(f"native kernel unavailable: {kernels.native_build_error()}")
     calls: list[torch.dtype] = []
-    real = dispatch.native_dequantize
+    real = native.dequantize
 
     def spy(data: torch.Tensor, *args: object) -> torch.Tensor:
         calls.append(data.dtype)
         return real(data, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(dispatch, "native_dequantize", spy)
+    monkeypatch.setattr(native, "dequantize", spy)
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(70, 48, generator=gen) * 100
     for fp8 in FP8_DTYPES:
@@ -807,13 +807,13 @@ def test_dequant_mm_unchanged_and_uses_kernel(monkeypatch: pytest.MonkeyPatch) -
     if not kernels.native_available():
         pytest.skip(f"native kernel unavailable: {kernels.native_build_error()}")
     calls: list[tuple[int, ...]] = []
-    real = dispatch.native_dequantize
+    real = native.dequantize
 
     def spy(data: torch.Tensor, *args: object) -> torch.Tensor:
         calls.append(data.stride())
         return real(data, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(dispatch, "native_dequantize", spy)
+    monkeypatch.setattr(native, "dequantize", spy)
     gen = torch.Generator().manual_seed(13)
     m, k, n = 48, 80, 32
     for fa, fb in (
@@ -834,6 +834,82 @@ def test_dequant_mm_unchanged_and_uses_kernel(monkeypatch: pytest.MonkeyPatch) -
             gemm.scaled_mm(a, b),
             gemm._dequant_mm(a.data, b.data, a.scale_inv, b.scale_inv, torch.float32, None),
         )
+
+
+def _epilogue_reference(
+    acc: np.ndarray, factor: np.float32, bias: np.ndarray | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The GEMM epilogue written from its definition in numpy float32 arithmetic: one multiply,
+    one add of the bias (none without one), one rounding (numpy's for float16, torch's
+    conversion of the float32 value for bfloat16)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = acc * factor
+        if bias is not None:
+            v = v + bias.astype(np.float32)
+        if out_dtype == torch.float16:
+            return torch.from_numpy(v.astype(np.float16))
+    return torch.from_numpy(v).to(out_dtype)
+
+
+def _epilogue_cases(gen: torch.Generator) -> torch.Tensor:
+    acc = torch.randn(37, 53, generator=gen) * 3e3
+    edge = [0.0, -0.0, 1e-45, -1e-40, 2.0**-130, 448.0, -57344.0, 3e38, -3e38, 65504.0]
+    edge += [float("inf"), float("-inf"), float("nan")]
+    acc[0, : len(edge)] = torch.tensor(edge)
+    acc[1] = torch.randn(53, generator=gen) * 1e-38  # float32 subnormals after the scale
+    return acc
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias_dtype", [None, *DTYPES], ids=str)
+def test_gemm_epilogue_against_numpy(
+    out_dtype: torch.dtype, bias_dtype: torch.dtype | None
+) -> None:
+    """Native and torch epilogues give the same bits as float32 numpy math (NaN as NaN) for
+    random accumulators and edge values: signed zeros, subnormals, FP8 and float16 limits,
+    overflow past the output's range, +-inf, NaN."""
+    gen = torch.Generator().manual_seed(21)
+    acc = _epilogue_cases(gen)
+    a_scale, b_scale = torch.tensor(3.7e-2), torch.tensor([2.0**-9 * 1.3])
+    bias = None
+    if bias_dtype is not None:
+        bias = (torch.randn(53, generator=gen) * 50).to(bias_dtype)
+        bias[:3] = torch.tensor([-0.0, 0.0, float("nan")])
+    factor = np.float32(a_scale.numpy()) * np.float32(b_scale.numpy()[0])
+    want = _epilogue_reference(
+        acc.numpy(), factor, None if bias is None else bias.float().numpy(), out_dtype
+    )
+    backends = ["reference"] + (["native"] if kernels.native_available() else [])
+    for backend in backends:
+        got = kernels.gemm_epilogue(
+            acc.clone(), a_scale, b_scale, out_dtype, bias=bias, backend=backend
+        )
+        assert got.dtype == out_dtype and got.shape == acc.shape
+        assert_same_values(got, want, f"{backend}: bias {bias_dtype} -> {out_dtype}")
+
+
+def test_gemm_epilogue_reuses_a_float32_accumulator() -> None:
+    if not kernels.native_available():
+        pytest.skip(f"native kernel unavailable: {kernels.native_build_error()}")
+    acc, one = torch.ones(16, 32), torch.ones(())
+    assert kernels.gemm_epilogue(acc, one, one, torch.float32, bias=torch.ones(32)) is acc
+    assert torch.equal(acc, torch.full((16, 32), 2.0))
+
+
+def test_gemm_epilogue_errors_name_the_parameter() -> None:
+    acc, one = torch.zeros(4, 8), torch.ones(())
+    with pytest.raises(TypeError, match="acc must be a contiguous float32"):
+        kernels.gemm_epilogue(acc.t(), one, one, torch.float32)
+    with pytest.raises(TypeError, match="acc must be a contiguous float32"):
+        kernels.gemm_epilogue(acc.double(), one, one, torch.float32)
+    with pytest.raises(TypeError, match=r"b_scale must be a torch\.float32 tensor with one"):
+        kernels.gemm_epilogue(acc, one, torch.ones(2), torch.float32)
+    with pytest.raises(TypeError, match=r"out_dtype must be torch\.float32, torch\.bfloat16"):
+        kernels.gemm_epilogue(acc, one, one, torch.float64)
+    with pytest.raises(TypeError, match=r"bias must be None or .* of shape \(8,\)"):
+        kernels.gemm_epilogue(acc, one, one, torch.float32, bias=torch.zeros(4))
+    with pytest.raises(ValueError, match="gemm_epilogue has no Triton kernel"):
+        kernels.gemm_epilogue(acc, one, one, torch.float32, backend="triton")
 
 
 def test_native_dequantize_errors() -> None:
@@ -1298,8 +1374,8 @@ def test_api_dispatch_picks_native_on_cpu(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_api_native_call_runs_no_aten_op_but_allocations() -> None:
-    """The CPU hot path: a native cast is its output allocations and one ctypes call; the
-    update event is no aten op at all (the lead's CPU gate counts aten ops per step)."""
+    """The CPU hot path: a native cast (or GEMM epilogue) is its output allocations and one
+    ctypes call; the update event is no aten op at all (the CPU gate counts aten ops per step)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     if not kernels.native_available():
@@ -1320,6 +1396,7 @@ def test_api_native_call_runs_no_aten_op_but_allocations() -> None:
     slot = staging[0, 1]
     count = torch.zeros(3, dtype=torch.int64)
     first = count[1]
+    acc, b = torch.zeros(64, 32), torch.zeros(32, dtype=torch.bfloat16)
     calls = {
         "cast": (lambda: kernels.cast_fp8(x, s, E4M3, amax_out=slot), 2),
         "cast T dbias": (
@@ -1338,6 +1415,8 @@ def test_api_native_call_runs_no_aten_op_but_allocations() -> None:
             ),
             0,
         ),
+        "epilogue float32": (lambda: kernels.gemm_epilogue(acc, s, s, torch.float32), 0),
+        "epilogue bf16": (lambda: kernels.gemm_epilogue(acc, s, s, torch.bfloat16, bias=b), 1),
     }
     for name, (fn, empties) in calls.items():
         with Ops() as ops:

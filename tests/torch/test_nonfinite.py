@@ -41,6 +41,22 @@ def test_inf_amax_is_counted_and_warned_once_per_module() -> None:
     assert layer.fp8_meta.backward.nonfinite_count.tolist() == [0, 0]
 
 
+def test_a_new_module_in_a_rebuilt_pool_still_warns() -> None:
+    """The watch forgets the columns of a rebuilt pool: a module that replaces one which already
+    saw an inf (same recipe, same pool shape) is warned about its own first inf."""
+    recipe = DelayedScaling(amax_history_len=5, margin=1)  # a registry of this test's own
+    x = torch.randn(8, 8)
+    first = f8.Linear(8, 8)
+    with pytest.warns(NonfiniteAmaxWarning):
+        _step(first, x * float("inf"), recipe)
+    del first  # its pool column is dropped at the next event
+    second = f8.Linear(8, 8)
+    _step(second, x, recipe)
+    with pytest.warns(NonfiniteAmaxWarning, match=r"Linear\(8, 8\)\.forward \(slot INPUT\)"):
+        _step(second, x * float("inf"), recipe)
+    assert second.fp8_meta.forward.nonfinite_count.tolist() == [1, 0, 0]
+
+
 def test_inspector_reports_nonfinite_events() -> None:
     torch.manual_seed(1)
     model = torch.nn.Sequential(f8.Linear(16, 16))

@@ -173,6 +173,33 @@ def run_case(case: UpdateCase, backend: str) -> list[dict[str, torch.Tensor | No
     return out
 
 
+def run_case_prepared(case: UpdateCase, backend: str) -> list[dict[str, torch.Tensor | None]]:
+    """Every event of ``case`` (no ``ran`` mask, no staging vector) through one function of
+    ``prepare_delayed_update``; the state after each one."""
+    state = initial_state(case)
+    update = kernels.prepare_delayed_update(
+        state["history"],  # type: ignore[arg-type]
+        state["scale"],  # type: ignore[arg-type]
+        state["scale_inv"],  # type: ignore[arg-type]
+        state["count"],  # type: ignore[arg-type]
+        fmax=case.fmax,
+        margin=case.margin,
+        interval=case.interval,
+        algo=case.algo,
+        power_2_scale=case.power_2,
+        nonfinite_count=state["nonfinite"],
+        backend=backend,
+    )
+    out = []
+    for values, ran, staging in case.events:
+        assert ran is None and not staging
+        history = state["history"]
+        history[0] = torch.maximum(history[0], torch.tensor(values))  # type: ignore[index]
+        update()
+        out.append({k: (None if t is None else t.clone()) for k, t in state.items()})
+    return out
+
+
 def run_all_cases(backend: str, path: str | None = None) -> list[list[dict]]:
     results = [run_case(case, backend) for case in update_cases()]
     if path is not None:
@@ -217,8 +244,14 @@ def numpy_events(case: UpdateCase) -> list[dict[str, np.ndarray | None]]:
     return out
 
 
-def check_results(results: list[list[dict]], backend: str) -> None:
-    cases = update_cases()
+def _unmasked(case: UpdateCase) -> bool:
+    return all(ran is None and not staging for _, ran, staging in case.events)
+
+
+def check_results(
+    results: list[list[dict]], backend: str, cases: tuple[UpdateCase, ...] | None = None
+) -> None:
+    cases = update_cases() if cases is None else cases
     assert len(results) == len(cases)
     for case, got_events in zip(cases, results, strict=True):
         want_events = numpy_events(case)
@@ -247,6 +280,28 @@ def test_update_native() -> None:
 
 def test_update_reference() -> None:
     check_results(run_all_cases("reference"), "reference")
+
+
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_prepared_update_matches_the_model(backend: str) -> None:
+    """The prepared event (arguments checked and bound once, the registry's steady state) gives
+    the model's bits event after event, on the worked numbers and the random unmasked cases."""
+    if backend == "native" and not kernels.native_available():
+        pytest.skip(f"native kernel unavailable: {kernels.native_build_error()}")
+    cases = tuple(case for case in update_cases() if _unmasked(case))
+    assert len(cases) >= 15  # the worked numbers and several random grids
+    check_results([run_case_prepared(case, backend) for case in cases], backend, cases)
+
+
+def test_prepared_update_checks_its_arguments_once() -> None:
+    history, ones = torch.zeros(4, 3), torch.ones(3)
+    count = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(TypeError, match=r"count must be a contiguous torch\.int64 tensor"):
+        kernels.prepare_delayed_update(history, ones, ones, count.float(), fmax=448.0)
+    with pytest.raises(ValueError, match="algo must be one of"):
+        kernels.prepare_delayed_update(history, ones, ones, count, fmax=448.0, algo="mean")
+    with pytest.raises(ValueError, match="backend must be None or one of"):
+        kernels.prepare_delayed_update(history, ones, ones, count, fmax=448.0, backend="gpu")
 
 
 def test_update_triton_under_interpreter() -> None:

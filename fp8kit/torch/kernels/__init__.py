@@ -1,5 +1,6 @@
 """FP8 kernels for PyTorch: casts (with transpose, amax, scale_inv and dbias in one read of the
-input), current scaling, the delayed-scaling update event, the amax pass and dequantization.
+input), current scaling, the delayed-scaling update event, the amax pass, dequantization and the
+CPU GEMM's epilogue.
 
 The API lives in :mod:`.dispatch`, which picks a backend per call:
 
@@ -46,6 +47,8 @@ from fp8kit.torch.kernels.dispatch import (
     compute_amax,
     delayed_update_,
     dequantize_fp8,
+    gemm_epilogue,
+    prepare_delayed_update,
     triton_available,
     try_triton_cast,
 )
@@ -66,6 +69,7 @@ __all__ = [
     "compute_amax",
     "delayed_update_",
     "dequantize_fp8",
+    "gemm_epilogue",
     "load_native",
     "native_amax",
     "native_available",
@@ -75,6 +79,7 @@ __all__ = [
     "native_dequantize",
     "native_isa",
     "native_isa_level",
+    "prepare_delayed_update",
     "triton_available",
     "try_triton_cast",
 ]

@@ -130,8 +130,12 @@ class _Lib:
         self.delayed_update.argtypes = [
             *(vp, i64, i64, vp, vp, vp, vp, vp, vp),  # hist .. nonfinite
             *(i32, i64, f32, i32, i32, u32, i32),  # algo, interval, scale rule
+            vp,  # infinite: the number of +inf event values (int64 out, may be null)
         ]
         self.delayed_update.restype = i32
+        self.gemm_epilogue = lib.fp8kit_gemm_epilogue
+        self.gemm_epilogue.argtypes = [vp, i64, i64, vp, vp, vp, i32, vp, i32]
+        self.gemm_epilogue.restype = i32
         self.best_isa = lib.fp8kit_best_isa
         self.best_isa.argtypes = []
         self.best_isa.restype = i32
@@ -440,6 +444,13 @@ def native_dequantize(
         _check_args(torch.empty(0), scale, isa)
     elif isa not in (ISA_AUTO, ISA_SCALAR, ISA_AVX2, ISA_AVX512):
         _check_args(torch.empty(0), _ONE, isa)  # raises the isa error
+    return dequantize_unchecked(lib, data, scale, out_dtype, isa)
+
+
+def dequantize_unchecked(
+    lib: _Lib, data: torch.Tensor, scale: torch.Tensor | None, out_dtype: torch.dtype, isa: int
+) -> torch.Tensor:
+    """:func:`native_dequantize` on arguments it would accept (the caller checked them)."""
     out = torch.empty_like(data, dtype=out_dtype)
     src = data
     if data.stride() != out.stride():

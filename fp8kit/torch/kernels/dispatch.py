@@ -20,8 +20,10 @@ forces one backend (tests, benchmarks); None (the default) picks as above.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -38,7 +40,6 @@ from fp8kit.torch.kernels._native import (
     NativeKernelWarning,
     load_native,
     native_cast_transpose,
-    native_dequantize,
 )
 
 __all__ = [
@@ -51,6 +52,8 @@ __all__ = [
     "compute_amax",
     "delayed_update_",
     "dequantize_fp8",
+    "gemm_epilogue",
+    "prepare_delayed_update",
     "triton_available",
     "try_triton_cast",
 ]
@@ -373,6 +376,43 @@ def delayed_update_(
     )
 
 
+def prepare_delayed_update(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    count: torch.Tensor,
+    *,
+    fmax: float,
+    margin: float = 0,
+    interval: int = 1,
+    algo: str = "max",
+    power_2_scale: bool = False,
+    nonfinite_count: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> Callable[[], int | None]:
+    """:func:`delayed_update_` over every column (no ``ran`` mask, no ``staging``), checked and
+    resolved once: returns a function of no arguments that runs one event, for a caller that
+    runs the same event on the same tensors again and again (docs/performance.md).
+
+    The tensors are held by the returned function and must keep their storage (the CPU
+    function calls the kernel on their addresses). Arguments as in :func:`delayed_update_`.
+
+    The function returns the number of columns whose event value was +inf where that costs no
+    host synchronisation (the native CPU kernel), else None (read ``nonfinite_count`` then).
+    Cost per call: CPU one native call (no aten op, no allocation); CUDA 1 kernel.
+    """
+    config = update_config(fmax, margin, interval, algo, power_2_scale)
+    _check_update(history, scale, scale_inv, count, None, None, nonfinite_count)
+    if backend is not None:
+        _forced(backend)  # an unknown or unavailable backend fails here, not at the first event
+    if (backend or _auto(history)[0]) == "native":
+        return native.prepare_delayed_update(
+            history, scale, scale_inv, count, config, nonfinite_count
+        )
+    args = (history, scale, scale_inv, count, config, None, None, nonfinite_count)
+    return functools.partial(_call, history, backend, "delayed_update", *args)
+
+
 def _check_update(
     history: torch.Tensor,
     scale: torch.Tensor,
@@ -503,12 +543,73 @@ def dequantize_fp8(
     """
     if _dequant_native_ok(data, scale, dtype):
         if dtype == torch.float16:
-            return native_dequantize(data, scale).to(torch.float16)
-        return native_dequantize(data, scale, dtype)
+            return native.dequantize(data, scale, _F32).to(torch.float16)
+        return native.dequantize(data, scale, dtype)
     out = data.to(torch.float32)
     if scale is not None:
         out = out * scale
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+def gemm_epilogue(
+    acc: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    bias: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Finish an FP8 GEMM computed as a float32 product of the unscaled operands:
+    ``round_out(acc * (a_scale * b_scale) + bias)``, the CPU GEMM's epilogue (docs/performance.md).
+
+    The scale product is one float32 multiply, the bias is added in float32 (none added without
+    one, so -0 stays -0), then one rounding to ``out_dtype`` (nearest even): bit for bit the
+    torch ops ``acc.mul_(a_scale * b_scale).add_(bias).to(out_dtype)``.
+
+    Args:
+        acc: float32 ``(M, N)`` contiguous accumulator; overwritten (the result for float32).
+        a_scale, b_scale: float32 one-element tensors on ``acc``'s device (the operands'
+            ``scale_inv``).
+        out_dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
+        bias: None or an ``(N,)`` float32 / bfloat16 / float16 tensor on ``acc``'s device.
+        backend: None (automatic: native on the CPU, torch elsewhere), ``"native"`` or
+            ``"reference"``.
+
+    Returns:
+        ``(M, N)`` tensor of ``out_dtype`` (``acc`` itself for float32). CPU: one native call
+        and at most one ``aten::empty``.
+    """
+    if not (
+        isinstance(acc, torch.Tensor)
+        and acc.dtype is _F32
+        and acc.dim() == 2
+        and acc.is_contiguous()
+    ):
+        raise TypeError(f"acc must be a contiguous float32 (M, N) tensor, got {_describe(acc)}")
+    _check_one("a_scale", a_scale, _F32, acc)
+    _check_one("b_scale", b_scale, _F32, acc)
+    if out_dtype not in INPUT_DTYPES:
+        raise TypeError(
+            f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}"
+        )
+    if bias is not None and not (
+        isinstance(bias, torch.Tensor)
+        and bias.dtype in INPUT_DTYPES
+        and bias.shape == acc.shape[1:]
+        and bias.device == acc.device
+    ):
+        raise TypeError(
+            f"bias must be None or a float32 / bfloat16 / float16 tensor of shape "
+            f"({acc.shape[1]},) on acc's device ({acc.device}), got {_describe(bias)}"
+        )
+    if backend == "triton":
+        raise ValueError(
+            "gemm_epilogue has no Triton kernel: backend must be None, 'native' or 'reference'"
+        )
+    if backend is None and (acc.numel() == 0 or _auto(acc)[0] != "native"):
+        backend = "reference"
+    return _call(acc, backend, "gemm_epilogue", acc, a_scale, b_scale, out_dtype, bias)  # type: ignore[return-value]
 
 
 def _dequant_native_ok(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> bool:

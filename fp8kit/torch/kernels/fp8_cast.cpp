@@ -29,6 +29,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1091,13 +1092,49 @@ void store_sums(const float* sums, void* dst, int32_t in_dtype, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The epilogue of a CPU FP8 GEMM (docs/performance.md, "CPU GEMM")
+// ---------------------------------------------------------------------------------------------
+
+inline void store_rounded(float* d, float v) { *d = v; }
+inline void store_rounded(bf16_t* d, float v) { d->bits = bf16_rne(v); }
+inline void store_rounded(f16_t* d, float v) { d->bits = f16_rne(v); }
+
+// Rows [r0, r1) of out = round(acc * s (+ bias)): one float32 multiply, one float32 add of the
+// bias (when there is one: adding 0 would turn -0 into +0), one rounding to Out.
+template <bool kBias, typename Out>
+void epilogue_rows(const float* acc, int64_t r0, int64_t r1, int64_t n, float s,
+                   const float* bias, Out* out) {
+  for (int64_t i = r0; i < r1; ++i) {
+    const float* a = acc + i * n;
+    Out* o = out + i * n;
+    for (int64_t j = 0; j < n; ++j) {
+      const float p = a[j] * s;
+      store_rounded(o + j, kBias ? p + bias[j] : p);
+    }
+  }
+}
+
+template <typename Out>
+void epilogue_impl(const float* acc, int64_t m, int64_t n, float s, const float* bias, Out* out) {
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, n));
+  at::parallel_for(int64_t{0}, m, grain, [&](int64_t r0, int64_t r1) {
+    if (bias != nullptr) {
+      epilogue_rows<true>(acc, r0, r1, n, s, bias, out);
+    } else {
+      epilogue_rows<false>(acc, r0, r1, n, s, bias, out);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // The delayed-scaling update event (SPEC section 3) on a whole (L, N) history
 // ---------------------------------------------------------------------------------------------
 
 constexpr int64_t kUpdateCols = 256;  // columns per block: rows are walked with these in L1
 
 // Columns [j0, j0 + w) of the event: zero-skip, window amax, roll, count, scale, scale_inv.
-void update_block(float* hist, int64_t L, int64_t N, int64_t j0, int64_t w, float* scale,
+// Returns how many of them had the value +inf.
+int64_t update_block(float* hist, int64_t L, int64_t N, int64_t j0, int64_t w, float* scale,
                   float* scale_inv, int64_t* count, const uint8_t* ran, const float* staging,
                   int64_t* nonfinite, int32_t algo, int64_t interval, const ScaleRule& rule) {
   float r[kUpdateCols];
@@ -1124,6 +1161,7 @@ void update_block(float* hist, int64_t L, int64_t N, int64_t j0, int64_t w, floa
     float* last = hist + (L - 1) * N + j0;
     for (int64_t j = 0; j < w; ++j) last[j] = run[j] ? r[j] : last[j];
   }
+  int64_t infinite = 0;
   for (int64_t j = 0; j < w; ++j) {
     const int64_t k = j0 + j;
     if (run[j]) {
@@ -1131,10 +1169,14 @@ void update_block(float* hist, int64_t L, int64_t N, int64_t j0, int64_t w, floa
       const int64_t c = count[k] + 1;
       count[k] = c;
       if ((c - 1) % interval == 0) scale[k] = scale_from_amax(amax[j], scale[k], rule);
-      if (nonfinite != nullptr && r[j] == INFINITY) nonfinite[k] += 1;
+      if (r[j] == INFINITY) {
+        infinite += 1;
+        if (nonfinite != nullptr) nonfinite[k] += 1;
+      }
     }
     scale_inv[k] = 1.0f / scale[k];
   }
+  return infinite;
 }
 
 }  // namespace
@@ -1319,11 +1361,12 @@ int32_t fp8kit_cast_fused(const void* src, int32_t in_dtype, int64_t m, int64_t 
 // amax (algo 0: max of hist[1..L-1, j] and the value; 1: the value), the roll
 // [0, H2, ..., H(L-1), value], count + 1, a new scale at events 1, 1 + interval, ..., and
 // nonfinite[j] += 1 (when not null) if the value is +inf. scale_inv = 1 / scale everywhere.
+// *infinite (when not null) = the number of columns whose value was +inf.
 int32_t fp8kit_delayed_update(float* hist, int64_t L, int64_t N, float* scale, float* scale_inv,
                               int64_t* count, const uint8_t* ran, const float* staging,
                               int64_t* nonfinite, int32_t algo, int64_t interval, float numerator,
-                              int32_t power2, int32_t fmax_exp, uint32_t fmax_mant,
-                              int32_t margin) {
+                              int32_t power2, int32_t fmax_exp, uint32_t fmax_mant, int32_t margin,
+                              int64_t* infinite) {
   using namespace fp8kit_native;
   if (L < 1 || N < 0 || interval < 1) return kBadShape;
   if (algo != 0 && algo != 1) return kBadFormat;
@@ -1331,13 +1374,51 @@ int32_t fp8kit_delayed_update(float* hist, int64_t L, int64_t N, float* scale, f
     const ScaleRule rule{numerator, power2, fmax_exp, fmax_mant, margin};
     const int64_t blocks = (N + kUpdateCols - 1) / kUpdateCols;
     const int64_t grain = std::max<int64_t>(1, kGrain / (L * kUpdateCols));
+    std::atomic<int64_t> total{0};
     at::parallel_for(int64_t{0}, blocks, grain, [&](int64_t b_begin, int64_t b_end) {
+      int64_t part = 0;
       for (int64_t b = b_begin; b < b_end; ++b) {
         const int64_t j0 = b * kUpdateCols;
-        update_block(hist, L, N, j0, std::min(kUpdateCols, N - j0), scale, scale_inv, count, ran,
-                     staging, nonfinite, algo, interval, rule);
+        part += update_block(hist, L, N, j0, std::min(kUpdateCols, N - j0), scale, scale_inv,
+                             count, ran, staging, nonfinite, algo, interval, rule);
       }
+      total += part;
     });
+    if (infinite != nullptr) *infinite = total.load();
+  } catch (...) {
+    return kInternalError;
+  }
+  return kOk;
+}
+
+// The epilogue of a CPU FP8 GEMM whose float32 accumulator acc (m, n) is row-major:
+// out = round_out(acc * (*a_scale * *b_scale) + float32(bias)), the scale product one float32
+// multiply, the bias (n,) of bias_dtype (-1: no bias) added in float32, out (m, n) row-major of
+// out_dtype (it may be acc itself for a float32 output). Dtype ids as in_dtype.
+int32_t fp8kit_gemm_epilogue(const float* acc, int64_t m, int64_t n, const float* a_scale,
+                             const float* b_scale, const void* bias, int32_t bias_dtype,
+                             void* out, int32_t out_dtype) {
+  using namespace fp8kit_native;
+  if (m < 0 || n < 0) return kBadShape;
+  if (out_dtype < kFloat32 || out_dtype > kFloat16) return kBadDtype;
+  if (bias != nullptr && (bias_dtype < kFloat32 || bias_dtype > kFloat16)) return kBadDtype;
+  try {
+    const float s = *a_scale * *b_scale;
+    std::vector<float> b;
+    if (bias != nullptr) {
+      b.resize(static_cast<size_t>(n));
+      dispatch_input(bias, bias_dtype, [&](const auto* p) {
+        for (int64_t j = 0; j < n; ++j) b[static_cast<size_t>(j)] = load_f32(p + j);
+      });
+    }
+    const float* bp = bias != nullptr ? b.data() : nullptr;
+    if (out_dtype == kFloat32) {
+      epilogue_impl(acc, m, n, s, bp, static_cast<float*>(out));
+    } else if (out_dtype == kBFloat16) {
+      epilogue_impl(acc, m, n, s, bp, static_cast<bf16_t*>(out));
+    } else {
+      epilogue_impl(acc, m, n, s, bp, static_cast<f16_t*>(out));
+    }
   } catch (...) {
     return kInternalError;
   }

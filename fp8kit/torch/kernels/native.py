@@ -8,12 +8,28 @@ built and loaded by :mod:`._native`; the functions here assume it loaded and tha
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Callable
+
 import torch
 
 from fp8kit.torch.kernels._common import CastResult, CastSpec, UpdateConfig
-from fp8kit.torch.kernels._native import ISA_AUTO, _raise_status, load_native
+from fp8kit.torch.kernels._native import (
+    ISA_AUTO,
+    _raise_status,
+    dequantize_unchecked,
+    load_native,
+)
 
-__all__ = ["amax", "cast", "cast_current", "delayed_update"]
+__all__ = [
+    "amax",
+    "cast",
+    "cast_current",
+    "delayed_update",
+    "dequantize",
+    "gemm_epilogue",
+    "prepare_delayed_update",
+]
 
 _F32 = torch.float32
 _IN_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -146,6 +162,93 @@ def delayed_update(
         config.fmax_exp,
         config.fmax_mant,
         config.margin_int,
+        None,
     )
     if status:
         _raise_status(status, "fp8kit native delayed_update_")
+
+
+class _PreparedUpdate:
+    """The native update call with its arguments bound; holds the tensors whose addresses it
+    passes, so they outlive it. A call returns the number of +inf event values."""
+
+    __slots__ = ("_args", "_infinite", "_kernel", "_tensors")
+
+    def __init__(self, kernel: Callable[..., int], args: tuple, tensors: tuple) -> None:
+        self._infinite = ctypes.c_int64(0)
+        self._kernel, self._tensors = kernel, tensors
+        self._args = (*args, ctypes.byref(self._infinite))
+
+    def __call__(self) -> int:
+        status = self._kernel(*self._args)
+        if status:
+            _raise_status(status, "fp8kit native delayed_update_")
+        return self._infinite.value
+
+
+def prepare_delayed_update(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    count: torch.Tensor,
+    config: UpdateConfig,
+    nonfinite_count: torch.Tensor | None,
+) -> Callable[[], int]:
+    """:func:`fp8kit.torch.kernels.prepare_delayed_update` as one native call with its
+    arguments bound."""
+    length, n = history.shape
+    args = (
+        history.data_ptr(),
+        length,
+        n,
+        scale.data_ptr(),
+        scale_inv.data_ptr(),
+        count.data_ptr(),
+        None,
+        None,
+        None if nonfinite_count is None else nonfinite_count.data_ptr(),
+        config.algo_id,
+        config.interval,
+        config.numerator,
+        config.power_2_scale,
+        config.fmax_exp,
+        config.fmax_mant,
+        config.margin_int,
+    )
+    tensors = (history, scale, scale_inv, count, nonfinite_count)
+    return _PreparedUpdate(load_native().delayed_update, args, tensors)
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`fp8kit.torch.kernels.dequantize_fp8` in one native call (``dtype`` float32 or
+    bfloat16)."""
+    return dequantize_unchecked(load_native(), data, scale, dtype, ISA_AUTO)
+
+
+def gemm_epilogue(
+    acc: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`fp8kit.torch.kernels.gemm_epilogue` in one native call (in place for float32)."""
+    lib = load_native()
+    m, n = acc.shape
+    out = acc if out_dtype is _F32 else torch.empty((m, n), dtype=out_dtype)
+    if bias is not None:
+        bias = _dense(bias)
+    status = lib.gemm_epilogue(
+        acc.data_ptr(),
+        m,
+        n,
+        a_scale.data_ptr(),
+        b_scale.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        -1 if bias is None else _IN_IDS[bias.dtype],
+        out.data_ptr(),
+        _IN_IDS[out_dtype],
+    )
+    if status:
+        _raise_status(status, "fp8kit native gemm_epilogue")
+    return out

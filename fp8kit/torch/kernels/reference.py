@@ -8,8 +8,8 @@ docs/semantics.md section 3 (:func:`compute_scale`). Nothing here reads a device
 so these functions never synchronise with a GPU.
 
 The backend functions (:func:`cast`, :func:`cast_current`, :func:`amax`,
-:func:`delayed_update`) take arguments already checked by :mod:`.dispatch`; call the public
-functions of :mod:`fp8kit.torch.kernels` instead.
+:func:`delayed_update`, :func:`gemm_epilogue`) take arguments already checked by
+:mod:`.dispatch`; call the public functions of :mod:`fp8kit.torch.kernels` instead.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ __all__ = [
     "compute_scale",
     "count_events",
     "delayed_update",
+    "gemm_epilogue",
     "nan_ignoring_amax",
     "roll_history",
 ]
@@ -227,3 +228,17 @@ def delayed_update(
     count.copy_(new_count)
     scale.copy_(new_scale)
     torch.reciprocal(new_scale, out=scale_inv)
+
+
+def gemm_epilogue(
+    acc: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`fp8kit.torch.kernels.gemm_epilogue` in torch ops (``acc`` is overwritten)."""
+    out = acc.mul_((a_scale * b_scale).reshape(()))
+    if bias is not None:
+        out = out.add_(bias)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)

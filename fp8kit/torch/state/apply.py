@@ -2,7 +2,8 @@
 
 :func:`apply_update` runs the update rule in place over every column of a
 :class:`~fp8kit.torch.state.pool.StatePool`: one fused kernel for the built-in algorithms, the
-torch rule of :mod:`fp8kit.torch.scaling` for callables. :class:`NonfiniteWatch` reports infinite
+torch rule of :mod:`fp8kit.torch.scaling` for callables; :func:`prepared_update` is the same
+kernel with its arguments bound once, for the steady state. :class:`NonfiniteWatch` reports infinite
 amaxes without a host synchronisation (docs/performance.md).
 """
 
@@ -18,12 +19,46 @@ import torch
 
 from fp8kit.recipe import DelayedScaling
 from fp8kit.slots import BwdSlot, FwdSlot
-from fp8kit.torch.kernels import delayed_update_
+from fp8kit.torch.kernels import delayed_update_, prepare_delayed_update
 from fp8kit.torch.scaling import update_scaling_state
 from fp8kit.torch.state.buffers import ScalingState
 from fp8kit.torch.state.pool import StatePool
 
-__all__ = ["NonfiniteAmaxWarning", "NonfiniteWatch", "apply_update"]
+__all__ = ["NonfiniteAmaxWarning", "NonfiniteWatch", "apply_update", "prepared_update"]
+
+
+def prepared_update(
+    pool: StatePool, recipe: DelayedScaling, fmax: float
+) -> Callable[[], int | None] | None:
+    """``apply_update(pool, recipe, fmax, None)`` as a function of no arguments whose kernel
+    arguments were checked and bound once (:func:`~fp8kit.torch.kernels.prepare_delayed_update`:
+    it returns the number of +inf event values, or None where that is not known without a host
+    sync), kept on the pool until its tensors are replaced; None for callable algorithms (their
+    rule runs in torch). The steady-state event of a registry whose states all ran
+    (docs/performance.md)."""
+    if not _builtin(recipe):
+        return None
+    key = ("update", recipe, fmax)
+    update = pool.derived.get(key)
+    if update is None:
+        update = pool.derived[key] = prepare_delayed_update(
+            pool.history,
+            pool.scale,
+            pool.scale_inv,
+            pool.update_count,
+            fmax=fmax,
+            margin=recipe.margin,
+            interval=recipe.interval,
+            algo=recipe.amax_compute_algo,  # type: ignore[arg-type]
+            power_2_scale=recipe.power_2_scale,
+            nonfinite_count=pool.nonfinite_count,
+        )
+    return update  # type: ignore[return-value]
+
+
+def _builtin(recipe: DelayedScaling) -> bool:
+    """Whether the recipe's update rule is the fused kernel's (no callable algorithm)."""
+    return isinstance(recipe.amax_compute_algo, str) and recipe.scaling_factor_compute_algo is None
 
 
 def apply_update(
@@ -39,7 +74,7 @@ def apply_update(
         ran: None when every column takes part in the event, else a boolean ``(N,)`` device mask;
             False columns are skipped and keep their staging value (e.g. a ``no_grad`` leftover).
     """
-    if isinstance(recipe.amax_compute_algo, str) and recipe.scaling_factor_compute_algo is None:
+    if _builtin(recipe):
         delayed_update_(
             pool.history,
             pool.scale,
@@ -83,6 +118,10 @@ class NonfiniteWatch:
         self._host: torch.Tensor | None = None  # last copy of the counts
         self._ready: Any = None  # CUDA event of that copy, None when it is complete
         self._seen = np.zeros(0, dtype=np.int64)  # counts already reported, per pool column
+        # The pool's count tensor those columns describe: a rebuilt pool (members joined or
+        # left) has new columns, so what was seen is forgotten (the once-per-state record in
+        # _warned keeps a state from warning twice).
+        self._tracked: torch.Tensor | None = None
 
     def check(
         self,
@@ -96,6 +135,9 @@ class NonfiniteWatch:
         ``members()`` lists the pool's states in column order (called only to name a state).
         """
         counts = pool.nonfinite_count
+        if counts is not self._tracked:
+            self._tracked, self._host = counts, None
+            self._seen = np.zeros(counts.shape, dtype=np.int64)
         if counts.device.type == "cpu":
             self._report(counts.numpy(), members, direction, recipe)
             return

@@ -36,6 +36,9 @@ class StatePool:
         self.update_count = torch.zeros(0, dtype=torch.int64)
         self.nonfinite_count = torch.zeros(0, dtype=torch.int64)
         self._masks: dict[frozenset[int], torch.Tensor] = {}  # slot_mask cache (device tensors)
+        # Anything derived from the pool's tensors by their users (the prepared update event of
+        # fp8kit.torch.state.apply), dropped whenever the tensors are replaced.
+        self.derived: dict[object, object] = {}
 
     @property
     def num_slots(self) -> int:
@@ -86,6 +89,7 @@ class StatePool:
             self.update_count = torch.cat([s.update_count for s in states])
             self.nonfinite_count = torch.cat([s.nonfinite_count for s in states])
         self._masks = {}
+        self.derived = {}
         self._members = [weakref.ref(s) for s in states]
         self._views = []
         offset = 0

@@ -37,7 +37,7 @@ import torch
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch import distributed
 from fp8kit.torch.distributed import Layout
-from fp8kit.torch.state.apply import NonfiniteWatch, apply_update
+from fp8kit.torch.state.apply import NonfiniteWatch, apply_update, prepared_update
 from fp8kit.torch.state.binding import bind_history_len
 from fp8kit.torch.state.buffers import ScalingState, buffer_generation
 from fp8kit.torch.state.pool import StatePool
@@ -327,6 +327,12 @@ class StateRegistry:
         if not ran and not reduce:  # nothing ran here and no collective to take part in
             return
         self._sync_pool()
+        if not reduce and len(ran) == self._num_live:  # the steady state: every member ran
+            update = prepared_update(self.pool, self.recipe, fmax)
+            if update is not None:
+                if update() != 0:  # an inf came in, or the count is unknown (None): look
+                    self._nonfinite.check(self.pool, self.states, self.direction, self.recipe)
+                return
         with torch.no_grad():
             mask = None
             if self._num_live:
