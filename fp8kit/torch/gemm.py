@@ -30,6 +30,7 @@ __all__ = [
     "Fp8GemmContractError",
     "check_bias_contract",
     "cpu_gemm_backend",
+    "cublaslt_fuses_bias",
     "fp8_gemm",
     "fp8_gemm_bias",
     "fp8_matmul",
@@ -103,7 +104,7 @@ def check_bias_contract(bias: torch.Tensor, n: int, out_dtype: torch.dtype) -> N
     """
     if bias.shape != (n,):
         raise Fp8GemmContractError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
-    if out_dtype not in FUSED_BIAS_DTYPES or bias.dtype != out_dtype:
+    if not cublaslt_fuses_bias(out_dtype, bias):
         raise Fp8GemmContractError(
             f"a fused bias needs out_dtype bfloat16 or float16 and a bias of that dtype, got "
             f"out_dtype={out_dtype} and bias dtype {bias.dtype} (add a float32 bias after the GEMM)"
@@ -205,6 +206,12 @@ def fp8_gemm_bias(
 def _fuses_bias(a: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor) -> bool:
     if a.device.type == "cpu" and cpu_gemm_backend() == "dequant":
         return True
+    return cublaslt_fuses_bias(out_dtype, bias)
+
+
+def cublaslt_fuses_bias(out_dtype: torch.dtype, bias: torch.Tensor) -> bool:
+    """Whether ``torch._scaled_mm`` can add ``bias`` in its epilogue: a bfloat16 / float16
+    output and a bias of that dtype (:func:`check_bias_contract`)."""
     return out_dtype in FUSED_BIAS_DTYPES and bias.dtype == out_dtype
 
 

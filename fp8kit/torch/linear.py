@@ -17,7 +17,7 @@ from torch import nn
 
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch.autocast import FP8Settings, current_settings
-from fp8kit.torch.gemm import FUSED_BIAS_DTYPES, GEMM_ALIGNMENT, fp8_gemm_bias, padded_mm
+from fp8kit.torch.gemm import GEMM_ALIGNMENT, cublaslt_fuses_bias, fp8_gemm_bias, padded_mm
 from fp8kit.torch.quantization import Float8Tensor, check_high_precision
 from fp8kit.torch.quantizer import FP8Run
 from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, bind_recipe, bwd_slot, fwd_slot
@@ -153,7 +153,7 @@ def _gemm(
     """
     if _aligned(a.shape[0], a.shape[1], b.shape[1]):
         return fp8_gemm_bias(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum)
-    fuse = bias is not None and out_dtype in FUSED_BIAS_DTYPES and bias.dtype == out_dtype
+    fuse = bias is not None and cublaslt_fuses_bias(out_dtype, bias)
     gemm_dtype = out_dtype if bias is None or fuse else torch.float32
     gemm_bias = bias if fuse else None
     y = padded_mm(

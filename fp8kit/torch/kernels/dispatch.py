@@ -607,8 +607,8 @@ def gemm_epilogue(
         raise ValueError(
             "gemm_epilogue has no Triton kernel: backend must be None, 'native' or 'reference'"
         )
-    if backend is None and (acc.numel() == 0 or _auto(acc)[0] != "native"):
-        backend = "reference"
+    if backend is None:
+        backend = "native" if acc.numel() and _auto(acc)[0] == "native" else "reference"
     return _call(acc, backend, "gemm_epilogue", acc, a_scale, b_scale, out_dtype, bias)  # type: ignore[return-value]
 
 

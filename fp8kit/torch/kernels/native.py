@@ -143,9 +143,25 @@ def delayed_update(
     nonfinite_count: torch.Tensor | None,
 ) -> None:
     """:func:`fp8kit.torch.kernels.delayed_update_` in one native call (in place)."""
-    lib = load_native()
+    args = _update_args(history, scale, scale_inv, count, config, ran, staging, nonfinite_count)
+    status = load_native().delayed_update(*args, None)
+    if status:
+        _raise_status(status, "fp8kit native delayed_update_")
+
+
+def _update_args(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    count: torch.Tensor,
+    config: UpdateConfig,
+    ran: torch.Tensor | None,
+    staging: torch.Tensor | None,
+    nonfinite_count: torch.Tensor | None,
+) -> tuple:
+    """The native update's arguments up to its last (the +inf count out-pointer)."""
     length, n = history.shape
-    status = lib.delayed_update(
+    return (
         history.data_ptr(),
         length,
         n,
@@ -162,10 +178,7 @@ def delayed_update(
         config.fmax_exp,
         config.fmax_mant,
         config.margin_int,
-        None,
     )
-    if status:
-        _raise_status(status, "fp8kit native delayed_update_")
 
 
 class _PreparedUpdate:
@@ -196,25 +209,7 @@ def prepare_delayed_update(
 ) -> Callable[[], int]:
     """:func:`fp8kit.torch.kernels.prepare_delayed_update` as one native call with its
     arguments bound."""
-    length, n = history.shape
-    args = (
-        history.data_ptr(),
-        length,
-        n,
-        scale.data_ptr(),
-        scale_inv.data_ptr(),
-        count.data_ptr(),
-        None,
-        None,
-        None if nonfinite_count is None else nonfinite_count.data_ptr(),
-        config.algo_id,
-        config.interval,
-        config.numerator,
-        config.power_2_scale,
-        config.fmax_exp,
-        config.fmax_mant,
-        config.margin_int,
-    )
+    args = _update_args(history, scale, scale_inv, count, config, None, None, nonfinite_count)
     tensors = (history, scale, scale_inv, count, nonfinite_count)
     return _PreparedUpdate(load_native().delayed_update, args, tensors)
 

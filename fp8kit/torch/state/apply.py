@@ -41,24 +41,31 @@ def prepared_update(
     key = ("update", recipe, fmax)
     update = pool.derived.get(key)
     if update is None:
-        update = pool.derived[key] = prepare_delayed_update(
-            pool.history,
-            pool.scale,
-            pool.scale_inv,
-            pool.update_count,
-            fmax=fmax,
-            margin=recipe.margin,
-            interval=recipe.interval,
-            algo=recipe.amax_compute_algo,  # type: ignore[arg-type]
-            power_2_scale=recipe.power_2_scale,
-            nonfinite_count=pool.nonfinite_count,
-        )
+        tensors, rule = _kernel_args(pool, recipe, fmax)
+        update = pool.derived[key] = prepare_delayed_update(*tensors, **rule)
     return update  # type: ignore[return-value]
 
 
 def _builtin(recipe: DelayedScaling) -> bool:
     """Whether the recipe's update rule is the fused kernel's (no callable algorithm)."""
     return isinstance(recipe.amax_compute_algo, str) and recipe.scaling_factor_compute_algo is None
+
+
+def _kernel_args(
+    pool: StatePool, recipe: DelayedScaling, fmax: float
+) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+    """The update kernel's tensors (history, scale, scale_inv, count) and rule keywords
+    (including the pool's non-finite counter) for ``pool`` under ``recipe``."""
+    tensors = (pool.history, pool.scale, pool.scale_inv, pool.update_count)
+    rule = {
+        "fmax": fmax,
+        "margin": recipe.margin,
+        "interval": recipe.interval,
+        "algo": recipe.amax_compute_algo,
+        "power_2_scale": recipe.power_2_scale,
+        "nonfinite_count": pool.nonfinite_count,
+    }
+    return tensors, rule
 
 
 def apply_update(
@@ -75,19 +82,8 @@ def apply_update(
             False columns are skipped and keep their staging value (e.g. a ``no_grad`` leftover).
     """
     if _builtin(recipe):
-        delayed_update_(
-            pool.history,
-            pool.scale,
-            pool.scale_inv,
-            pool.update_count,
-            fmax=fmax,
-            margin=recipe.margin,
-            interval=recipe.interval,
-            algo=recipe.amax_compute_algo,
-            power_2_scale=recipe.power_2_scale,
-            ran=ran,
-            nonfinite_count=pool.nonfinite_count,
-        )
+        tensors, rule = _kernel_args(pool, recipe, fmax)
+        delayed_update_(*tensors, ran=ran, **rule)
         return
     history = pool.history
     kept = None
