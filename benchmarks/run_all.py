@@ -8,6 +8,7 @@ import importlib
 BENCHMARKS = (
     "bench_quantize",
     "bench_dequantize",
+    "bench_small_gemm",
     "bench_training",
     "bench_update",
     "bench_host",

@@ -27,6 +27,7 @@ __all__ = [
     "ACTIVATIONS",
     "CPU_GEMM_BACKENDS",
     "GEMM_ALIGNMENT",
+    "SMALL_GEMM_MACS",
     "Fp8GemmContractError",
     "check_bias_contract",
     "cpu_gemm_backend",
@@ -236,10 +237,22 @@ def _dequant_mm(
     the native kernel where it is built (:func:`fp8kit.torch.kernels.dequantize_fp8`, the same
     bits, 4-15x faster than torch's conversion on this CPU); the epilogue
     (:func:`fp8kit.torch.kernels.gemm_epilogue`, one native pass) applies the scale_inv product,
-    adds the bias (any float dtype) in float32 and rounds once to ``out_dtype``."""
+    adds the bias (any float dtype) in float32 and rounds once to ``out_dtype``.
+
+    A GEMM of at most :data:`SMALL_GEMM_MACS` multiply-adds is one native call instead
+    (:func:`fp8kit.torch.kernels.small_fp8_gemm`: decode, sum over k in order, same epilogue),
+    where the native library is built; its last bits may differ from ``torch.mm``'s."""
+    if a.shape[0] * a.shape[1] * b.shape[1] <= SMALL_GEMM_MACS and kernels.native_available():
+        return kernels.small_fp8_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias=bias)
     acc = torch.mm(kernels.dequantize_fp8(a), kernels.dequantize_fp8(b))
     return kernels.gemm_epilogue(acc, a_scale_inv, b_scale_inv, out_dtype, bias=bias)
 
+
+SMALL_GEMM_MACS = 1 << 20
+"""The largest CPU FP8 GEMM (M * N * K multiply-adds) that runs as one native call
+(:func:`fp8kit.torch.kernels.small_fp8_gemm`); larger ones use ``torch.mm``. A fixed number, not
+a per-machine measurement, so a shape's bits do not depend on the CPU. Where the two cost the
+same on the development CPUs: docs/decisions/0236-small-cpu-fp8-gemm.md."""
 
 CPU_GEMM_BACKENDS = ("dequant", "scaled_mm")
 _cpu_backend: list[str] = []

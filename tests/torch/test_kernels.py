@@ -815,7 +815,8 @@ def test_dequant_mm_unchanged_and_uses_kernel(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(native, "dequantize", spy)
     gen = torch.Generator().manual_seed(13)
-    m, k, n = 48, 80, 32
+    m, k, n = 128, 96, 96
+    assert m * k * n > gemm.SMALL_GEMM_MACS  # the torch.mm route, not the one-call small GEMM
     for fa, fb in (
         (torch.float8_e4m3fn, torch.float8_e4m3fn),
         (torch.float8_e5m2, torch.float8_e4m3fn),

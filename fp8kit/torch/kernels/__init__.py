@@ -1,6 +1,6 @@
 """FP8 kernels for PyTorch: casts (with transpose, amax, scale_inv and dbias in one read of the
-input), current scaling, the delayed-scaling update event, the amax pass, dequantization and the
-CPU GEMM's epilogue.
+input), current scaling, the delayed-scaling update event, the amax pass, dequantization, the
+CPU GEMM's epilogue and a one-call small FP8 GEMM.
 
 The API lives in :mod:`.dispatch`, which picks a backend per call:
 
@@ -49,6 +49,7 @@ from fp8kit.torch.kernels.dispatch import (
     dequantize_fp8,
     gemm_epilogue,
     prepare_delayed_update,
+    small_fp8_gemm,
     triton_available,
     try_triton_cast,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "native_isa",
     "native_isa_level",
     "prepare_delayed_update",
+    "small_fp8_gemm",
     "triton_available",
     "try_triton_cast",
 ]

@@ -136,6 +136,12 @@ class _Lib:
         self.gemm_epilogue = lib.fp8kit_gemm_epilogue
         self.gemm_epilogue.argtypes = [vp, i64, i64, vp, vp, vp, i32, vp, i32]
         self.gemm_epilogue.restype = i32
+        self.small_gemm = lib.fp8kit_small_gemm
+        self.small_gemm.argtypes = [
+            *(vp, i32, i64, i64, vp, i32, i64, i64),  # A and B: data, format, element strides
+            *(i64, i64, i64, vp, vp, vp, i32, vp, i32, i32),  # m, n, k, scales, bias, out, isa
+        ]
+        self.small_gemm.restype = i32
         self.best_isa = lib.fp8kit_best_isa
         self.best_isa.argtypes = []
         self.best_isa.restype = i32

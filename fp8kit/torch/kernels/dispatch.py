@@ -29,7 +29,7 @@ from types import ModuleType
 import torch
 
 from fp8kit.formats import FP8Format
-from fp8kit.torch.kernels import native, reference
+from fp8kit.torch.kernels import native, native_ops, reference
 from fp8kit.torch.kernels._common import (
     INPUT_DTYPES,
     CastResult,
@@ -54,6 +54,7 @@ __all__ = [
     "dequantize_fp8",
     "gemm_epilogue",
     "prepare_delayed_update",
+    "small_fp8_gemm",
     "triton_available",
     "try_triton_cast",
 ]
@@ -610,6 +611,81 @@ def gemm_epilogue(
     if backend is None:
         backend = "native" if acc.numel() and _auto(acc)[0] == "native" else "reference"
     return _call(acc, backend, "gemm_epilogue", acc, a_scale, b_scale, out_dtype, bias)  # type: ignore[return-value]
+
+
+def small_fp8_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    bias: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """An FP8 GEMM in one call, for shapes where the call overhead outweighs the arithmetic
+    (the CPU's small GEMMs, docs/performance.md "CPU GEMM").
+
+    ``round_out(acc * (a_scale * b_scale) + bias)`` with ``acc[i, j]`` the float32 sum over
+    ``k = 0, 1, ..., K-1`` *in that order*, starting from +0, of ``float(a[i, k]) *
+    float(b[k, j])``. Each product of two FP8 values is exact in float32, so each step is one
+    rounded add and the bits are fixed by the order: the native loops (scalar, AVX2, AVX-512)
+    and the torch reference agree bit for bit. A BLAS GEMM sums in an order of its own, so its
+    last bits may differ. The epilogue is :func:`gemm_epilogue`'s. The native kernel is serial:
+    meant for a few million multiply-adds, not more.
+
+    Args:
+        a: FP8 ``(M, K)``, any strides; b: FP8 ``(K, N)``, any strides (E4M3 / E5M2 each).
+        a_scale, b_scale: float32 one-element tensors on ``a``'s device (``scale_inv``).
+        out_dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
+        bias: None or an ``(N,)`` float32 / bfloat16 / float16 tensor on ``a``'s device.
+        backend: None (automatic: native on the CPU, a ``torch.library`` op wrapping it inside
+            a ``torch.compile`` trace, the torch reference elsewhere), ``"native"`` or
+            ``"reference"``.
+
+    Returns:
+        ``(M, N)`` tensor of ``out_dtype``. CPU: one native call and one ``aten::empty``.
+    """
+    for name, t in (("a", a), ("b", b)):
+        if not (isinstance(t, torch.Tensor) and t.dtype in _FP8_DTYPES and t.dim() == 2):
+            raise TypeError(
+                f"{name} must be a 2-D torch.float8_e4m3fn or torch.float8_e5m2 tensor, "
+                f"got {_describe(t)}"
+            )
+    if b.shape[0] != a.shape[1] or b.device != a.device:
+        raise ValueError(
+            f"b must be (K, N) with K = a.shape[1] = {a.shape[1]} on a's device ({a.device}), "
+            f"got {_describe(b)}"
+        )
+    _check_one("a_scale", a_scale, _F32, a)
+    _check_one("b_scale", b_scale, _F32, a)
+    if out_dtype not in INPUT_DTYPES:
+        raise TypeError(
+            f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}"
+        )
+    if bias is not None and not (
+        isinstance(bias, torch.Tensor)
+        and bias.dtype in INPUT_DTYPES
+        and bias.shape == (b.shape[1],)
+        and bias.device == a.device
+    ):
+        raise TypeError(
+            f"bias must be None or a float32 / bfloat16 / float16 tensor of shape "
+            f"({b.shape[1]},) on a's device ({a.device}), got {_describe(bias)}"
+        )
+    if backend is None:
+        backend = "native" if a.is_cpu and load_native() is not None else "reference"
+    elif backend not in ("native", "reference"):
+        raise ValueError(
+            f"small_fp8_gemm has no {backend!r} kernel: backend must be None, 'native' or "
+            "'reference'"
+        )
+    if backend == "native":
+        if not a.is_cpu:
+            raise ValueError(f"backend='native' needs CPU tensors, got a on {a.device}")
+        if torch.compiler.is_compiling():
+            return native_ops.small_fp8_gemm_op(a, b, a_scale, b_scale, out_dtype, bias)
+    return _call(a, backend, "small_fp8_gemm", a, b, a_scale, b_scale, out_dtype, bias)  # type: ignore[return-value]
 
 
 def _dequant_native_ok(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> bool:

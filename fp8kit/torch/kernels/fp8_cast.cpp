@@ -1127,6 +1127,128 @@ void epilogue_impl(const float* acc, int64_t m, int64_t n, float s, const float*
 }
 
 // ---------------------------------------------------------------------------------------------
+// A small FP8 GEMM in one call (docs/performance.md, "CPU GEMM")
+// ---------------------------------------------------------------------------------------------
+//
+// acc[i][j] = sum over k = 0, 1, ..., K-1 (in that order, from +0) of float(a[i][k]) *
+// float(b[k][j]), in float32. Every product of two FP8 values is exact in float32 (significands
+// of at most 4 bits give a product of at most 8; exponents stay within 2^-32 .. 2^32), so each
+// step is one rounded float32 add (or an inf / NaN, as IEEE) and the result is fixed by the order
+// alone: the same bits from the scalar, AVX2 and AVX-512 builds of the loop
+// (they vectorise across j, never across k) and from the torch reference
+// `reference.small_fp8_gemm`. The epilogue is epilogue_rows above.
+
+// Register blocks of kMr rows by kNr columns: the kMr x kNr sums stay in registers for the
+// whole k loop. af: A's decoded values, row-major (mp, k), mp a multiple of kMr; bf: B's,
+// row-major (k, np), np a multiple of kNr; the padding is zeros and its sums are never read.
+// acc: row-major (m, n).
+constexpr int64_t kMr = 4;
+constexpr int64_t kNr = 16;
+
+// Writes the sums of block (i0, j0) that lie inside acc.
+inline void small_gemm_store(const float (*c)[kNr], int64_t i0, int64_t j0, int64_t m, int64_t n,
+                             float* acc) {
+  const int64_t rows = std::min(kMr, m - i0), cols = std::min(kNr, n - j0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < cols; ++j) acc[(i0 + r) * n + j0 + j] = c[r][j];
+  }
+}
+
+void small_gemm_blocks_scalar(const float* af, const float* bf, int64_t m, int64_t n,
+                              int64_t np, int64_t k, float* acc) {
+  for (int64_t i0 = 0; i0 < m; i0 += kMr) {
+    for (int64_t j0 = 0; j0 < np; j0 += kNr) {
+      float c[kMr][kNr] = {};
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const float* br = bf + kk * np + j0;
+        for (int64_t r = 0; r < kMr; ++r) {
+          const float av = af[(i0 + r) * k + kk];
+          for (int64_t j = 0; j < kNr; ++j) c[r][j] = c[r][j] + av * br[j];
+        }
+      }
+      small_gemm_store(c, i0, j0, m, n, acc);
+    }
+  }
+}
+
+#if FP8KIT_HAVE_X86
+// The same sums, 8 columns per vector: a multiply, then an add (no FMA: the product is exact
+// anyway, so an FMA would give the same bits, but this keeps the loop the scalar one).
+FP8KIT_AVX2 void small_gemm_blocks_avx2(const float* af, const float* bf, int64_t m, int64_t n,
+                                        int64_t np, int64_t k, float* acc) {
+  static_assert(kMr == 4 && kNr == 16, "the register block below is 4 x (2 x 8)");
+  for (int64_t i0 = 0; i0 < m; i0 += kMr) {
+    const float* a0 = af + i0 * k;
+    for (int64_t j0 = 0; j0 < np; j0 += kNr) {
+      __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps();
+      __m256 c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
+      __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps();
+      __m256 c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const float* br = bf + kk * np + j0;
+        const __m256 b0 = _mm256_loadu_ps(br), b1 = _mm256_loadu_ps(br + 8);
+        __m256 av = _mm256_broadcast_ss(a0 + kk);
+        c00 = _mm256_add_ps(c00, _mm256_mul_ps(av, b0));
+        c01 = _mm256_add_ps(c01, _mm256_mul_ps(av, b1));
+        av = _mm256_broadcast_ss(a0 + k + kk);
+        c10 = _mm256_add_ps(c10, _mm256_mul_ps(av, b0));
+        c11 = _mm256_add_ps(c11, _mm256_mul_ps(av, b1));
+        av = _mm256_broadcast_ss(a0 + 2 * k + kk);
+        c20 = _mm256_add_ps(c20, _mm256_mul_ps(av, b0));
+        c21 = _mm256_add_ps(c21, _mm256_mul_ps(av, b1));
+        av = _mm256_broadcast_ss(a0 + 3 * k + kk);
+        c30 = _mm256_add_ps(c30, _mm256_mul_ps(av, b0));
+        c31 = _mm256_add_ps(c31, _mm256_mul_ps(av, b1));
+      }
+      alignas(32) float c[kMr][kNr];
+      _mm256_store_ps(c[0], c00);
+      _mm256_store_ps(c[0] + 8, c01);
+      _mm256_store_ps(c[1], c10);
+      _mm256_store_ps(c[1] + 8, c11);
+      _mm256_store_ps(c[2], c20);
+      _mm256_store_ps(c[2] + 8, c21);
+      _mm256_store_ps(c[3], c30);
+      _mm256_store_ps(c[3] + 8, c31);
+      small_gemm_store(c, i0, j0, m, n, acc);
+    }
+  }
+}
+#endif
+
+// The whole GEMM: decode A (m, k) and B (k, n) (any strides, in elements) through the tables
+// into zero-padded row-major blocks, accumulate, then the epilogue into out.
+template <typename Out>
+void small_gemm_impl(const uint8_t* a, int64_t a_sm, int64_t a_sk, const float* lut_a,
+                     const uint8_t* b, int64_t b_sk, int64_t b_sn, const float* lut_b, int64_t m,
+                     int64_t n, int64_t k, float s, const float* bias, Out* out, float* acc,
+                     int32_t level) {
+  const int64_t mp = (m + kMr - 1) / kMr * kMr;
+  const int64_t np = (n + kNr - 1) / kNr * kNr;
+  std::vector<float> af(static_cast<size_t>(mp * k), 0.0f);
+  std::vector<float> bf(static_cast<size_t>(k * np), 0.0f);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t kk = 0; kk < k; ++kk) af[i * k + kk] = lut_a[a[i * a_sm + kk * a_sk]];
+  }
+  for (int64_t kk = 0; kk < k; ++kk) {
+    for (int64_t j = 0; j < n; ++j) bf[kk * np + j] = lut_b[b[kk * b_sk + j * b_sn]];
+  }
+#if FP8KIT_HAVE_X86
+  if (level >= kIsaAvx2) {  // AVX-512 CPUs run the AVX2 block (the bits are the same)
+    small_gemm_blocks_avx2(af.data(), bf.data(), m, n, np, k, acc);
+  } else {
+    small_gemm_blocks_scalar(af.data(), bf.data(), m, n, np, k, acc);
+  }
+#else
+  small_gemm_blocks_scalar(af.data(), bf.data(), m, n, np, k, acc);
+#endif
+  if (bias != nullptr) {
+    epilogue_rows<true>(acc, 0, m, n, s, bias, out);
+  } else {
+    epilogue_rows<false>(acc, 0, m, n, s, bias, out);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The delayed-scaling update event (SPEC section 3) on a whole (L, N) history
 // ---------------------------------------------------------------------------------------------
 
@@ -1418,6 +1540,54 @@ int32_t fp8kit_gemm_epilogue(const float* acc, int64_t m, int64_t n, const float
       epilogue_impl(acc, m, n, s, bp, static_cast<bf16_t*>(out));
     } else {
       epilogue_impl(acc, m, n, s, bp, static_cast<f16_t*>(out));
+    }
+  } catch (...) {
+    return kInternalError;
+  }
+  return kOk;
+}
+
+// out (m, n) row-major of out_dtype = epilogue(A @ B) for FP8 A (m, k) of format a_fmt and B
+// (k, n) of format b_fmt, element strides (a_sm, a_sk) and (b_sk, b_sn), accumulated in float32
+// over k in order (see "A small FP8 GEMM in one call"); a_scale, b_scale, bias, bias_dtype and
+// out_dtype as fp8kit_gemm_epilogue. Serial: meant for GEMMs of a few million multiply-adds.
+int32_t fp8kit_small_gemm(const uint8_t* a, int32_t a_fmt, int64_t a_sm, int64_t a_sk,
+                          const uint8_t* b, int32_t b_fmt, int64_t b_sk, int64_t b_sn, int64_t m,
+                          int64_t n, int64_t k, const float* a_scale, const float* b_scale,
+                          const void* bias, int32_t bias_dtype, void* out, int32_t out_dtype,
+                          int32_t isa) {
+  using namespace fp8kit_native;
+  if (m < 0 || n < 0 || k < 0) return kBadShape;
+  if ((a_fmt != 0 && a_fmt != 1) || (b_fmt != 0 && b_fmt != 1)) return kBadFormat;
+  if (out_dtype < kFloat32 || out_dtype > kFloat16) return kBadDtype;
+  if (bias != nullptr && (bias_dtype < kFloat32 || bias_dtype > kFloat16)) return kBadDtype;
+  if (isa < kIsaAuto || isa > kIsaAvx512) return kBadIsa;
+  if (isa > best_isa()) return kIsaUnavailable;
+  const int32_t level = isa == kIsaAuto ? best_isa() : isa;
+  try {
+    const float s = *a_scale * *b_scale;
+    std::vector<float> bias_f;
+    if (bias != nullptr) {
+      bias_f.resize(static_cast<size_t>(n));
+      dispatch_input(bias, bias_dtype, [&](const auto* p) {
+        for (int64_t j = 0; j < n; ++j) bias_f[static_cast<size_t>(j)] = load_f32(p + j);
+      });
+    }
+    const float* bp = bias != nullptr ? bias_f.data() : nullptr;
+    const float* la = decode_table(a_fmt);
+    const float* lb = decode_table(b_fmt);
+    if (out_dtype == kFloat32) {  // accumulate in the output itself
+      auto* o = static_cast<float*>(out);
+      small_gemm_impl(a, a_sm, a_sk, la, b, b_sk, b_sn, lb, m, n, k, s, bp, o, o, level);
+      return kOk;
+    }
+    std::vector<float> acc(static_cast<size_t>(m * n));
+    if (out_dtype == kBFloat16) {
+      small_gemm_impl(a, a_sm, a_sk, la, b, b_sk, b_sn, lb, m, n, k, s, bp,
+                      static_cast<bf16_t*>(out), acc.data(), level);
+    } else {
+      small_gemm_impl(a, a_sm, a_sk, la, b, b_sk, b_sn, lb, m, n, k, s, bp,
+                      static_cast<f16_t*>(out), acc.data(), level);
     }
   } catch (...) {
     return kInternalError;

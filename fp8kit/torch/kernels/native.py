@@ -15,6 +15,7 @@ import torch
 
 from fp8kit.torch.kernels._common import CastResult, CastSpec, UpdateConfig
 from fp8kit.torch.kernels._native import (
+    _FP8_FMT_IDS,
     ISA_AUTO,
     _raise_status,
     dequantize_unchecked,
@@ -29,6 +30,7 @@ __all__ = [
     "dequantize",
     "gemm_epilogue",
     "prepare_delayed_update",
+    "small_fp8_gemm",
 ]
 
 _F32 = torch.float32
@@ -246,4 +248,47 @@ def gemm_epilogue(
     )
     if status:
         _raise_status(status, "fp8kit native gemm_epilogue")
+    return out
+
+
+def small_fp8_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    isa: int = ISA_AUTO,
+) -> torch.Tensor:
+    """:func:`fp8kit.torch.kernels.small_fp8_gemm` in one native call (``isa`` forces a loop,
+    for the tests)."""
+    lib = load_native()
+    (m, k), n = a.shape, b.shape[1]
+    out = torch.empty((m, n), dtype=out_dtype)
+    if bias is not None:
+        bias = _dense(bias)
+    a_sm, a_sk = a.stride()
+    b_sk, b_sn = b.stride()
+    status = lib.small_gemm(
+        a.data_ptr(),
+        _FP8_FMT_IDS[a.dtype],
+        a_sm,
+        a_sk,
+        b.data_ptr(),
+        _FP8_FMT_IDS[b.dtype],
+        b_sk,
+        b_sn,
+        m,
+        n,
+        k,
+        a_scale.data_ptr(),
+        b_scale.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        -1 if bias is None else _IN_IDS[bias.dtype],
+        out.data_ptr(),
+        _IN_IDS[out_dtype],
+        isa,
+    )
+    if status:
+        _raise_status(status, "fp8kit native small_fp8_gemm")
     return out

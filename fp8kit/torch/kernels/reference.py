@@ -30,6 +30,7 @@ __all__ = [
     "gemm_epilogue",
     "nan_ignoring_amax",
     "roll_history",
+    "small_fp8_gemm",
 ]
 
 _POW2_CAP_EXPONENT = 127  # largest power of two in float32
@@ -242,3 +243,20 @@ def gemm_epilogue(
     if bias is not None:
         out = out.add_(bias)
     return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+
+def small_fp8_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`fp8kit.torch.kernels.small_fp8_gemm` in torch ops: the float32 sum over k taken
+    one k at a time (each product is exact, each step one rounded add), then the epilogue."""
+    af, bf = a.to(torch.float32), b.to(torch.float32)
+    acc = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.float32, device=a.device)
+    for k in range(a.shape[1]):
+        acc.add_(af[:, k : k + 1] * bf[k : k + 1, :])
+    return gemm_epilogue(acc, a_scale, b_scale, out_dtype, bias)

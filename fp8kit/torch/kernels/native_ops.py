@@ -1,0 +1,40 @@
+"""Native CPU kernels as ``torch.library`` custom ops, for graphs traced by ``torch.compile``.
+
+A traced graph cannot call ctypes on fake tensors, so a kernel whose numbers differ from any
+torch-op composition (:func:`fp8kit.torch.kernels.small_fp8_gemm`'s accumulation order) runs
+there as an opaque op: compiled and eager calls then give the same bits
+(docs/decisions/0236-small-cpu-fp8-gemm.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp8kit.torch.kernels import native
+
+__all__ = ["small_fp8_gemm_op"]
+
+
+@torch.library.custom_op("fp8kit::small_fp8_gemm", mutates_args=())
+def small_fp8_gemm_op(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`fp8kit.torch.native.small_fp8_gemm` (arguments checked by the caller)."""
+    return native.small_fp8_gemm(a, b, a_scale, b_scale, out_dtype, bias)
+
+
+@small_fp8_gemm_op.register_fake
+def _(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
