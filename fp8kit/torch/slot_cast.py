@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from fp8kit.torch.kernels import cast_fp8, cast_fp8_current
+from fp8kit.torch.kernels import cast_fp8_current, prepare_cast
 from fp8kit.torch.plan import RecipePlan
 from fp8kit.torch.quantization import Float8Tensor
 from fp8kit.torch.state import ScalingState
@@ -60,18 +60,21 @@ def quantize_slot(
             x, dtype, power_2_scale=plan.power_2_scale, transpose=transpose, dbias=dbias
         )
     else:
-        scale, staging, count = state.slot_views(slot)
         fold = record and observer is None  # an observer needs the amax itself
-        r = cast_fp8(
-            x,
-            scale,
-            dtype,
-            transpose=transpose,
-            amax_out=staging if fold else None,
-            dbias=dbias,
-            first_step_current=count if plan.first_step_current else None,
-        )
+        key = (dtype, fold, plan.first_step_current)
+        derived = state.slot_derived(slot)
+        cast = derived.get(key)
+        if cast is None:  # once per slot, key and buffer set: checks and addresses bound
+            scale, staging, count = state.slot_views(slot)
+            cast = derived[key] = prepare_cast(
+                scale,
+                dtype,
+                amax_out=staging if fold else None,
+                first_step_current=count if plan.first_step_current else None,
+            )
+        r = cast(x, transpose, dbias)
         if record and not fold:
+            staging = state.slot_views(slot)[1]
             staging.clamp_(min=r.amax)  # type: ignore[arg-type]
     q = Float8Tensor(r.data, r.scale_inv, r.amax, r.data_t)
     if observer is not None:

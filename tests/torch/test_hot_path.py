@@ -42,7 +42,7 @@ NO_KERNEL_OPS = {
     "aten.squeeze.dim",
     "aten.permute.default",
 }
-FUSED_KERNELS = ("cast_fp8", "cast_fp8_current")  # fp8kit's casting kernels (slot_cast's names)
+FUSED_KERNELS = ("cast_fp8_current",)  # fp8kit's casting kernels called per cast (slot_cast's)
 
 
 class _KernelCounter(TorchDispatchMode):
@@ -78,6 +78,20 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], _KernelCou
                 return _real(*args, **kwargs)
 
         monkeypatch.setattr(slot_cast, name, wrapped)
+    real_prepare_cast = slot_cast.prepare_cast
+
+    def wrapped_prepare_cast(*args, **kwargs):  # type: ignore[no-untyped-def]
+        cast = real_prepare_cast(*args, **kwargs)  # a delayed-scaling cast: counted per call
+
+        def counted_cast(*cast_args):  # type: ignore[no-untyped-def]
+            for c in counters:
+                c.ops["fp8kit.cast_fp8"] += 1
+            with _Paused(counters):
+                return cast(*cast_args)
+
+        return counted_cast
+
+    monkeypatch.setattr(slot_cast, "prepare_cast", wrapped_prepare_cast)
     real_update = update_apply.delayed_update_
 
     def wrapped_update(*args, **kwargs):  # type: ignore[no-untyped-def]

@@ -53,6 +53,7 @@ __all__ = [
     "delayed_update_",
     "dequantize_fp8",
     "gemm_epilogue",
+    "prepare_cast",
     "prepare_delayed_update",
     "small_fp8_gemm",
     "triton_available",
@@ -251,6 +252,49 @@ def cast_fp8(
     if x.numel() == 0:
         backend = "reference"
     return _call(x, backend, "cast", x, scale, spec, transpose, amax_out, dbias, first_step_current)  # type: ignore[return-value]
+
+
+def prepare_cast(
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype | FP8Format,
+    *,
+    amax_out: torch.Tensor | None = None,
+    first_step_current: torch.Tensor | None = None,
+) -> Callable[[torch.Tensor, bool, bool], CastResult]:
+    """:func:`cast_fp8` with ``scale``, ``fp8_dtype``, ``amax_out`` and ``first_step_current``
+    checked and resolved once, for a caller that casts into the same slot again and again (the
+    modules' hot path, docs/performance.md).
+
+    Returns ``cast(x, transpose, dbias)``, equal to ``cast_fp8(x, scale, fp8_dtype,
+    transpose=transpose, amax_out=amax_out, dbias=dbias, first_step_current=...)`` bit for bit.
+    On the CPU with the native library it is one native call with the bound tensors' addresses
+    (they must keep their storage; the function holds them); elsewhere, and for an ``x`` the
+    bound call cannot take, it is :func:`cast_fp8` itself (its checks and backends).
+    """
+    if not (isinstance(scale, torch.Tensor) and scale.dtype is _F32 and scale.numel() == 1):
+        raise TypeError(
+            f"scale must be a torch.float32 tensor with one element, got {_describe(scale)}"
+        )
+    dtype = cast_spec(fp8_dtype, scale).fp8_dtype  # a float32 "x": only fp8_dtype can fail
+    if amax_out is not None:
+        _check_one("amax_out", amax_out, _F32, scale)
+    if first_step_current is not None:
+        _check_one("first_step_current", first_step_current, _I64, scale)
+
+    def fallback(x: torch.Tensor, transpose: bool, dbias: bool) -> CastResult:
+        return cast_fp8(
+            x,
+            scale,
+            dtype,
+            transpose=transpose,
+            amax_out=amax_out,
+            dbias=dbias,
+            first_step_current=first_step_current,
+        )
+
+    if scale.is_cpu and not torch.compiler.is_compiling() and load_native() is not None:
+        return native.PreparedCast(scale, dtype, amax_out, first_step_current, fallback)
+    return fallback
 
 
 def cast_fp8_current(

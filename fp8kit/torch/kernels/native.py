@@ -13,16 +13,18 @@ from collections.abc import Callable
 
 import torch
 
-from fp8kit.torch.kernels._common import CastResult, CastSpec, UpdateConfig
+from fp8kit.torch.kernels._common import CastResult, CastSpec, UpdateConfig, cast_spec
 from fp8kit.torch.kernels._native import (
     _FP8_FMT_IDS,
     ISA_AUTO,
+    _Lib,
     _raise_status,
     dequantize_unchecked,
     load_native,
 )
 
 __all__ = [
+    "PreparedCast",
     "amax",
     "cast",
     "cast_current",
@@ -56,7 +58,33 @@ def _run(
     amax_out: torch.Tensor | None,
     dbias: bool,
 ) -> CastResult:
-    lib = load_native()
+    return _launch(
+        load_native(),
+        x,
+        spec,
+        mode,
+        None if scale is None else scale.data_ptr(),
+        None if count is None else count.data_ptr(),
+        config,
+        transpose,
+        None if amax_out is None else amax_out.data_ptr(),
+        dbias,
+    )
+
+
+def _launch(
+    lib: _Lib,
+    x: torch.Tensor,
+    spec: CastSpec,
+    mode: int,
+    scale_ptr: int | None,
+    count_ptr: int | None,
+    config: UpdateConfig,
+    transpose: bool,
+    amax_ptr: int | None,
+    dbias: bool,
+) -> CastResult:
+    """One ``cast_fused`` call: allocates the outputs, passes the given addresses."""
     x = _dense(x)
     if transpose or dbias:
         m, n = x.shape
@@ -64,7 +92,7 @@ def _run(
         m, n = 1, x.numel()
     data = torch.empty(x.shape, dtype=spec.fp8_dtype)
     data_t = torch.empty((n, m), dtype=spec.fp8_dtype) if transpose else None
-    amax_res = torch.empty((), dtype=_F32) if amax_out is None else None
+    amax_res = torch.empty((), dtype=_F32) if amax_ptr is None else None
     scale_inv = torch.empty((), dtype=_F32)
     bias = torch.empty((n,), dtype=x.dtype) if dbias else None
     status = lib.cast_fused(
@@ -75,15 +103,15 @@ def _run(
         spec.fmt_id,
         ISA_AUTO,
         mode,
-        None if scale is None else scale.data_ptr(),
-        None if count is None else count.data_ptr(),
+        scale_ptr,
+        count_ptr,
         config.numerator,
         config.power_2_scale,
         config.fmax_exp,
         config.fmax_mant,
         data.data_ptr(),
         None if data_t is None else data_t.data_ptr(),
-        None if amax_out is None else amax_out.data_ptr(),
+        amax_ptr,
         None if amax_res is None else amax_res.data_ptr(),
         scale_inv.data_ptr(),
         None if bias is None else bias.data_ptr(),
@@ -91,6 +119,42 @@ def _run(
     if status:
         _raise_status(status, "fp8kit native cast")
     return CastResult(data, data_t, amax_res, scale_inv, bias)
+
+
+class PreparedCast:
+    """:func:`cast` for one fixed ``(scale, fp8 dtype, amax_out, first_step_count)``: their
+    addresses and the format's constants are bound, so a call resolves only ``x``. An ``x`` the
+    bound call cannot take (not a CPU float32 / bfloat16 / float16 tensor, empty, or not 2-D
+    with ``transpose`` / ``dbias``) goes to ``fallback``, the checked API with the same
+    arguments. Holds the bound tensors, so their storage outlives it."""
+
+    __slots__ = ("_amax_ptr", "_count_ptr", "_fallback", "_lib", "_mode", "_scale_ptr",
+                 "_specs", "_tensors")  # fmt: skip
+
+    def __init__(
+        self,
+        scale: torch.Tensor,
+        fp8_dtype: torch.dtype,
+        amax_out: torch.Tensor | None,
+        first_step_count: torch.Tensor | None,
+        fallback: Callable[[torch.Tensor, bool, bool], CastResult],
+    ) -> None:
+        self._lib = load_native()
+        self._specs = {d: cast_spec(fp8_dtype, torch.empty(0, dtype=d)) for d in _IN_IDS}
+        self._mode = _MODE_GIVEN if first_step_count is None else _MODE_FIRST_STEP
+        self._scale_ptr = scale.data_ptr()
+        self._amax_ptr = None if amax_out is None else amax_out.data_ptr()
+        self._count_ptr = None if first_step_count is None else first_step_count.data_ptr()
+        self._tensors = (scale, amax_out, first_step_count)
+        self._fallback = fallback
+
+    def __call__(self, x: torch.Tensor, transpose: bool, dbias: bool) -> CastResult:
+        spec = self._specs.get(x.dtype)
+        if spec is None or not x.is_cpu or not x.numel() or ((transpose or dbias) and x.dim() != 2):
+            return self._fallback(x, transpose, dbias)
+        config = spec.current_rules[False]
+        return _launch(self._lib, x, spec, self._mode, self._scale_ptr, self._count_ptr, config,
+                       transpose, self._amax_ptr, dbias)  # fmt: skip
 
 
 def cast(

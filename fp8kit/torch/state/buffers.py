@@ -142,10 +142,11 @@ class ScalingState(nn.Module):
         # buffers they view are the current ones (see slot_views).
         self._slot_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._slot_views_of: tuple[torch.Tensor, ...] = ()
+        self._slot_derived: dict[int, dict[Any, Any]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_slot_views={}, _slot_views_of=())  # derived views: rebuilt on use
+        state.update(_slot_views={}, _slot_views_of=(), _slot_derived={})  # rebuilt on use
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -205,6 +206,7 @@ class ScalingState(nn.Module):
         of = self._slot_views_of
         if not of or of[0] is not history or of[1] is not scale or of[2] is not count:
             self._slot_views, self._slot_views_of = {}, (history, scale, count)
+            self._slot_derived = {}
         views = self._slot_views.get(slot)
         if views is None:
             views = self._slot_views[slot] = (
@@ -213,6 +215,15 @@ class ScalingState(nn.Module):
                 count[slot : slot + 1],
             )
         return views
+
+    def slot_derived(self, slot: int) -> dict[Any, Any]:
+        """A dict for what callers derive from ``slot``'s views (a cast prepared on their
+        addresses, docs/performance.md), emptied whenever :meth:`slot_views` rebuilds them."""
+        self.slot_views(slot)
+        derived = self._slot_derived.get(slot)
+        if derived is None:
+            derived = self._slot_derived[slot] = {}
+        return derived
 
     def record_amax(self, slot: int, amax: torch.Tensor) -> None:
         """Fold ``amax`` (float32 0-d) into the staging row: ``H[0, slot] = max(H[0, slot], a)``."""

@@ -1,0 +1,110 @@
+"""``kernels.prepare_cast``: a slot's cast with its scale and amax entry bound once gives the
+bits of ``kernels.cast_fp8`` (itself checked against the numpy reference in test_kernels), and
+a slot's prepared casts follow its buffers when they are replaced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp8kit.torch as f8
+from fp8kit.formats import E4M3, E5M2
+from fp8kit.recipe import DelayedScaling
+from fp8kit.torch import kernels
+from tests.torch.test_kernels import _matrix
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    bits = [t.contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]  # NaN bits compare
+    return torch.equal(*bits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_prepared_cast_matches_cast_fp8(dtype: torch.dtype, fp8_dtype: torch.dtype) -> None:
+    """Every combination of transpose, dbias, amax folding and first-step current scaling, on
+    inputs with zeros, subnormals and a 10^6 range, twice in a row (the second call folds into
+    an amax entry the first one wrote), and a scale that overflows some values."""
+    x = _matrix(24, 40, dtype, seed=3)
+    x[0, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")], dtype=dtype)
+    for first_step in (False, True):
+        for fold in (False, True):
+            scale = torch.tensor([0.73])
+            count = torch.zeros(1, dtype=torch.int64) if first_step else None
+            amax = [torch.zeros(1), torch.zeros(1)] if fold else [None, None]
+            cast = kernels.prepare_cast(
+                scale, fp8_dtype, amax_out=amax[0], first_step_current=count
+            )
+            for transpose in (False, True):
+                for dbias in (False, True):
+                    for _ in range(2):
+                        got = cast(x, transpose, dbias)
+                        want = kernels.cast_fp8(
+                            x,
+                            scale,
+                            fp8_dtype,
+                            transpose=transpose,
+                            amax_out=amax[1],
+                            dbias=dbias,
+                            first_step_current=count,
+                        )
+                        what = (first_step, fold, transpose, dbias)
+                        for g, w in zip(got, want, strict=True):
+                            assert _same(g, w), what
+                        assert _same(amax[0], amax[1]), what
+
+
+def test_prepared_cast_takes_every_x_cast_fp8_takes() -> None:
+    """An x the bound native call cannot take goes to cast_fp8: its result or its error."""
+    scale, staging = torch.tensor(2.0), torch.zeros(1)
+    cast = kernels.prepare_cast(scale, E5M2, amax_out=staging)
+    empty = cast(torch.zeros(0, 8), True, True)
+    assert empty.data.shape == (0, 8) and empty.data_t.shape == (8, 0)
+    x3 = torch.randn(2, 3, 4)
+    assert torch.equal(
+        cast(x3, False, False).data.float(), kernels.cast_fp8(x3, scale, E5M2).data.float()
+    )
+    with pytest.raises(ValueError, match=r"transpose=True needs a 2-D x"):
+        cast(x3, True, False)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        cast(torch.randn(4, 4, dtype=torch.float64), False, False)
+
+
+def test_prepare_cast_errors_name_the_parameter() -> None:
+    s = torch.tensor(1.0)
+    with pytest.raises(TypeError, match=r"scale must be a torch\.float32 tensor with one element"):
+        kernels.prepare_cast(torch.ones(2), E4M3)
+    with pytest.raises(TypeError, match=r"scale must be a torch\.float32 tensor with one element"):
+        kernels.prepare_cast(1.0, E4M3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="fp8_dtype must be"):
+        kernels.prepare_cast(s, torch.float16)
+    with pytest.raises(TypeError, match=r"amax_out must be a torch\.float32 tensor"):
+        kernels.prepare_cast(s, E4M3, amax_out=torch.zeros(1, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"first_step_current must be a torch\.int64 tensor"):
+        kernels.prepare_cast(s, E4M3, first_step_current=torch.zeros(1))
+
+
+def test_prepared_casts_follow_replaced_buffers() -> None:
+    """A module's casts fold their amaxes into its current staging row after its history was
+    resized (new buffers): the prepared casts of the old buffers are dropped with them (a cast
+    still bound to the old staging row would leave the new one at 0)."""
+    layer = f8.Linear(16, 16)
+    x = torch.randn(8, 16)
+    for _ in range(2):  # the first event moves the state into its pool (new buffers)
+        with f8.autocast(recipe=DelayedScaling(amax_history_len=4)):
+            y = layer(x)
+        y.sum().backward()
+    state = layer.fp8_meta.forward
+    assert state.slot_derived(0)  # the input slot's cast is prepared
+    longer = DelayedScaling(amax_history_len=8)  # binding it resizes the histories
+    resized = pytest.warns(UserWarning, match="resizing an amax history from 4 to 8")
+    with torch.no_grad(), resized, f8.autocast(recipe=longer):
+        layer(x * 3)
+    assert state.amax_history.shape[0] == 8
+    assert state.amax_history[0, 0].item() == (x * 3).abs().max().item()
