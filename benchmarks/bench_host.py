@@ -1,18 +1,71 @@
 """Host overhead of a tiny FP8 Linear training step vs ``nn.Linear`` (issue 9, item 3).
 
 At these sizes the GEMMs cost little, so the ratio is the Python and launch work around the
-kernels. Both variants are timed round-robin in one process (median of rounds).
+kernels. A third variant, "kernels only", runs the same FP8 step (three casts, three GEMMs, two
+update events) from fp8kit's kernel API inside a bare autograd Function, with nothing else: the
+floor any frontend built on these kernel calls can reach. All are timed round-robin in one
+process (median of rounds).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 
 import fp8kit.torch as f8
 from benchmarks.common import machine_note, markdown_table, round_robin
+from fp8kit.formats import E4M3, E5M2
 from fp8kit.recipe import DelayedScaling
+from fp8kit.torch import kernels
+from fp8kit.torch.gemm import fp8_gemm
+from fp8kit.torch.state import ScalingState
+
+
+class _KernelsOnly(torch.autograd.Function):
+    """``x @ w.T + b`` in FP8 from kernel calls alone (delayed scaling, E4M3 / E5M2 slots)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, casts):  # type: ignore[no-untyped-def, override]
+        qx, qw = casts[0](x, True, False), casts[1](w, True, False)
+        y = fp8_gemm(qx.data, qw.data.t(), qx.scale_inv, qw.scale_inv, x.dtype, bias=b)
+        ctx.save_for_backward(qx.data_t, qw.data_t, qx.scale_inv, qw.scale_inv)
+        ctx.cast_dy = casts[2]
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[no-untyped-def, override]
+        x_t, w_t, sx, sw = ctx.saved_tensors
+        qdy = ctx.cast_dy(dy.contiguous(), True, True)
+        dx = fp8_gemm(qdy.data, w_t.t(), qdy.scale_inv, sw, dy.dtype)
+        dw = fp8_gemm(qdy.data_t, x_t.t(), qdy.scale_inv, sx, dy.dtype)
+        return dx, dw, qdy.dbias, None
+
+
+def _kernels_only_step(fp8: f8.Linear, x: torch.Tensor) -> Callable[[], None]:
+    """One training step of ``fp8``'s parameters through :class:`_KernelsOnly`, with a forward
+    and a backward update event (prepared, as the modules' steady state)."""
+    state = {d: ScalingState(n, history_len=16) for d, n in (("fwd", 2), ("bwd", 1))}
+    slots = ((state["fwd"], 0, E4M3), (state["fwd"], 1, E4M3), (state["bwd"], 0, E5M2))
+    casts = [
+        kernels.prepare_cast(s.scale[i : i + 1], dtype, amax_out=s.amax_history[0, i : i + 1])
+        for s, i, dtype in slots
+    ]
+    events = [
+        kernels.prepare_delayed_update(
+            s.amax_history, s.scale, s.scale_inv, s.update_count, fmax=fmax
+        )
+        for s, fmax in ((state["fwd"], E4M3.max), (state["bwd"], E5M2.max))
+    ]
+
+    def step() -> None:
+        y = _KernelsOnly.apply(x, fp8.weight, fp8.bias, casts)
+        events[0]()
+        y.sum().backward()
+        events[1]()
+
+    return step
 
 
 def step_times(size: int, repeats: int, calls: int = 20) -> dict[str, float]:
@@ -32,7 +85,14 @@ def step_times(size: int, repeats: int, calls: int = 20) -> dict[str, float]:
                 y = fp8(x)
             y.sum().backward()
 
-    seconds = round_robin({"nn.Linear": plain, "fp8kit delayed": fp8_step}, repeats, warmup=2)
+    floor_step = _kernels_only_step(fp8, x)
+
+    def floor() -> None:
+        for _ in range(calls):
+            floor_step()
+
+    variants = {"nn.Linear": plain, "fp8kit delayed": fp8_step, "kernels only": floor}
+    seconds = round_robin(variants, repeats, warmup=2)
     return {name: s / calls * 1e6 for name, s in seconds.items()}
 
 
@@ -44,12 +104,12 @@ def main(argv: list[str] | None = None) -> str:
     rows = []
     for size in (32, 256):
         t = step_times(size, repeats)
-        ratio = t["fp8kit delayed"] / t["nn.Linear"]
-        rows.append([f"{size} x {size}", f"{t['nn.Linear']:.0f}", f"{t['fp8kit delayed']:.0f}",
-                     f"{ratio:.2f}x"])  # fmt: skip
-    text = f"Machine: {machine_note()}\n\n" + markdown_table(
-        ["Linear", "nn.Linear us / step", "fp8kit us / step", "fp8kit / nn.Linear"], rows
-    )
+        base, ours, floor = t["nn.Linear"], t["fp8kit delayed"], t["kernels only"]
+        rows.append([f"{size} x {size}", f"{base:.0f}", f"{ours:.0f}", f"{floor:.0f}",
+                     f"{ours / base:.2f}x", f"{floor / base:.2f}x"])  # fmt: skip
+    header = ["Linear", "nn.Linear us / step", "fp8kit us / step", "kernels only us / step",
+              "fp8kit / nn.Linear", "kernels only / nn.Linear"]  # fmt: skip
+    text = f"Machine: {machine_note()}\n\n" + markdown_table(header, rows)
     print(text)
     return text
 
