@@ -131,8 +131,8 @@ def cached_fp8_weights(
     return cache
 
 
-def _aligned(*dims: int) -> bool:
-    return not any(d % GEMM_ALIGNMENT for d in dims)
+def _aligned(m: int, k: int, n: int) -> bool:
+    return not (m % GEMM_ALIGNMENT or k % GEMM_ALIGNMENT or n % GEMM_ALIGNMENT)
 
 
 def _gemm(
