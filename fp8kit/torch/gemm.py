@@ -243,7 +243,7 @@ def _dequant_mm(
     (:func:`fp8kit.torch.kernels.small_fp8_gemm`: decode, sum over k in order, same epilogue),
     where the native library is built; its last bits may differ from ``torch.mm``'s."""
     if a.shape[0] * a.shape[1] * b.shape[1] <= SMALL_GEMM_MACS and kernels.native_available():
-        return kernels.small_fp8_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias=bias)
+        return kernels.small_fp8_gemm_unchecked(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
     acc = torch.mm(kernels.dequantize_fp8(a), kernels.dequantize_fp8(b))
     return kernels.gemm_epilogue(acc, a_scale_inv, b_scale_inv, out_dtype, bias=bias)
 

@@ -128,7 +128,8 @@ def test_linear_sized_gemms_take_the_small_gemm_below_the_threshold(
 
 @needs_native
 def test_small_fp8_gemm_is_one_allocation() -> None:
-    """On the CPU the call is its output allocation and one ctypes call: no other aten op."""
+    """On the CPU the call (checked or not) is its output allocation and one ctypes call: no
+    other aten op."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -144,8 +145,12 @@ def test_small_fp8_gemm_is_one_allocation() -> None:
     b = torch.ones(4, 16, dtype=torch.float8_e4m3fn).t()
     s, bias = torch.ones(()), torch.zeros(4, dtype=torch.bfloat16)
     with Ops() as ops:
-        kernels.small_fp8_gemm(a, b, s, s, torch.bfloat16, bias=bias)
+        checked = kernels.small_fp8_gemm(a, b, s, s, torch.bfloat16, bias=bias)
     assert ops.names == ["empty.memory_format"]
+    with Ops() as ops:
+        unchecked = kernels.small_fp8_gemm_unchecked(a, b, s, s, torch.bfloat16, bias)
+    assert ops.names == ["empty.memory_format"]
+    assert torch.equal(checked, unchecked) and torch.equal(checked, torch.full((8, 4), 16.0))
 
 
 @needs_native

@@ -51,6 +51,7 @@ from fp8kit.torch.kernels.dispatch import (
     prepare_cast,
     prepare_delayed_update,
     small_fp8_gemm,
+    small_fp8_gemm_unchecked,
     triton_available,
     try_triton_cast,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "prepare_cast",
     "prepare_delayed_update",
     "small_fp8_gemm",
+    "small_fp8_gemm_unchecked",
     "triton_available",
     "try_triton_cast",
 ]

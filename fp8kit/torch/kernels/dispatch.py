@@ -56,6 +56,7 @@ __all__ = [
     "prepare_cast",
     "prepare_delayed_update",
     "small_fp8_gemm",
+    "small_fp8_gemm_unchecked",
     "triton_available",
     "try_triton_cast",
 ]
@@ -727,9 +728,25 @@ def small_fp8_gemm(
     if backend == "native":
         if not a.is_cpu:
             raise ValueError(f"backend='native' needs CPU tensors, got a on {a.device}")
-        if torch.compiler.is_compiling():
-            return native_ops.small_fp8_gemm_op(a, b, a_scale, b_scale, out_dtype, bias)
-    return _call(a, backend, "small_fp8_gemm", a, b, a_scale, b_scale, out_dtype, bias)  # type: ignore[return-value]
+        return small_fp8_gemm_unchecked(a, b, a_scale, b_scale, out_dtype, bias)
+    return reference.small_fp8_gemm(a, b, a_scale, b_scale, out_dtype, bias)
+
+
+def small_fp8_gemm_unchecked(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`small_fp8_gemm` on the native kernel without its argument checks, for callers
+    that meet its contract by construction (``fp8kit.torch.gemm.fp8_gemm``, the modules' hot
+    path): CPU tensors, the native library loaded. Inside a ``torch.compile`` trace it is the
+    ``fp8kit::small_fp8_gemm`` op."""
+    if torch.compiler.is_compiling():
+        return native_ops.small_fp8_gemm_op(a, b, a_scale, b_scale, out_dtype, bias)
+    return native.small_fp8_gemm(a, b, a_scale, b_scale, out_dtype, bias)
 
 
 def _dequant_native_ok(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> bool:
