@@ -674,10 +674,10 @@ def small_fp8_gemm(
     ``round_out(acc * (a_scale * b_scale) + bias)`` with ``acc[i, j]`` the float32 sum over
     ``k = 0, 1, ..., K-1`` *in that order*, starting from +0, of ``float(a[i, k]) *
     float(b[k, j])``. Each product of two FP8 values is exact in float32, so each step is one
-    rounded add and the bits are fixed by the order: the native loops (scalar, AVX2, AVX-512)
-    and the torch reference agree bit for bit. A BLAS GEMM sums in an order of its own, so its
-    last bits may differ. The epilogue is :func:`gemm_epilogue`'s. The native kernel is serial:
-    meant for a few million multiply-adds, not more.
+    rounded add and the bits are fixed by the order: the native loops (scalar and AVX2, which
+    AVX-512 CPUs run too) and the torch reference agree bit for bit. A BLAS GEMM sums in an
+    order of its own, so its last bits may differ. The epilogue is :func:`gemm_epilogue`'s. The
+    native kernel is serial: meant for a few million multiply-adds, not more.
 
     Args:
         a: FP8 ``(M, K)``, any strides; b: FP8 ``(K, N)``, any strides (E4M3 / E5M2 each).

@@ -1134,9 +1134,9 @@ void epilogue_impl(const float* acc, int64_t m, int64_t n, float s, const float*
 // float(b[k][j]), in float32. Every product of two FP8 values is exact in float32 (significands
 // of at most 4 bits give a product of at most 8; exponents stay within 2^-32 .. 2^32), so each
 // step is one rounded float32 add (or an inf / NaN, as IEEE) and the result is fixed by the order
-// alone: the same bits from the scalar, AVX2 and AVX-512 builds of the loop
-// (they vectorise across j, never across k) and from the torch reference
-// `reference.small_fp8_gemm`. The epilogue is epilogue_rows above.
+// alone: the same bits from the scalar and the AVX2 loop (which AVX-512 CPUs run too; it
+// vectorises across j, never across k) and from the torch reference `reference.small_fp8_gemm`.
+// The epilogue is epilogue_rows above.
 
 // Register blocks of kMr rows by kNr columns: the kMr x kNr sums stay in registers for the
 // whole k loop. af: A's decoded values, row-major (mp, k), mp a multiple of kMr; bf: B's,
