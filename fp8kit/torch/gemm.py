@@ -244,6 +244,19 @@ def _dequant_mm(
     where the native library is built; its last bits may differ from ``torch.mm``'s."""
     if a.shape[0] * a.shape[1] * b.shape[1] <= SMALL_GEMM_MACS and kernels.native_available():
         return kernels.small_fp8_gemm_unchecked(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
+    return _upcast_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
+
+
+def _upcast_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`_dequant_mm`'s route for GEMMs above :data:`SMALL_GEMM_MACS`: exact upcasts,
+    ``torch.mm``, the native epilogue."""
     acc = torch.mm(kernels.dequantize_fp8(a), kernels.dequantize_fp8(b))
     return kernels.gemm_epilogue(acc, a_scale_inv, b_scale_inv, out_dtype, bias=bias)
 

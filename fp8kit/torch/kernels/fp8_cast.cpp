@@ -1126,6 +1126,18 @@ void epilogue_impl(const float* acc, int64_t m, int64_t n, float s, const float*
   });
 }
 
+// The bias (n,) of bias_dtype as float32 (empty for no bias: bias == nullptr).
+std::vector<float> bias_as_float(const void* bias, int32_t bias_dtype, int64_t n) {
+  std::vector<float> b;
+  if (bias != nullptr) {
+    b.resize(static_cast<size_t>(n));
+    dispatch_input(bias, bias_dtype, [&](const auto* p) {
+      for (int64_t j = 0; j < n; ++j) b[static_cast<size_t>(j)] = load_f32(p + j);
+    });
+  }
+  return b;
+}
+
 // ---------------------------------------------------------------------------------------------
 // A small FP8 GEMM in one call (docs/performance.md, "CPU GEMM")
 // ---------------------------------------------------------------------------------------------
@@ -1136,7 +1148,7 @@ void epilogue_impl(const float* acc, int64_t m, int64_t n, float s, const float*
 // step is one rounded float32 add (or an inf / NaN, as IEEE) and the result is fixed by the order
 // alone: the same bits from the scalar and the AVX2 loop (which AVX-512 CPUs run too; it
 // vectorises across j, never across k) and from the torch reference `reference.small_fp8_gemm`.
-// The epilogue is epilogue_rows above.
+// The epilogue is epilogue_impl above.
 
 // Register blocks of kMr rows by kNr columns: the kMr x kNr sums stay in registers for the
 // whole k loop. af: A's decoded values, row-major (mp, k), mp a multiple of kMr; bf: B's,
@@ -1241,11 +1253,7 @@ void small_gemm_impl(const uint8_t* a, int64_t a_sm, int64_t a_sk, const float* 
 #else
   small_gemm_blocks_scalar(af.data(), bf.data(), m, n, np, k, acc);
 #endif
-  if (bias != nullptr) {
-    epilogue_rows<true>(acc, 0, m, n, s, bias, out);
-  } else {
-    epilogue_rows<false>(acc, 0, m, n, s, bias, out);
-  }
+  epilogue_impl(acc, m, n, s, bias, out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1526,13 +1534,7 @@ int32_t fp8kit_gemm_epilogue(const float* acc, int64_t m, int64_t n, const float
   if (bias != nullptr && (bias_dtype < kFloat32 || bias_dtype > kFloat16)) return kBadDtype;
   try {
     const float s = *a_scale * *b_scale;
-    std::vector<float> b;
-    if (bias != nullptr) {
-      b.resize(static_cast<size_t>(n));
-      dispatch_input(bias, bias_dtype, [&](const auto* p) {
-        for (int64_t j = 0; j < n; ++j) b[static_cast<size_t>(j)] = load_f32(p + j);
-      });
-    }
+    const std::vector<float> b = bias_as_float(bias, bias_dtype, n);
     const float* bp = bias != nullptr ? b.data() : nullptr;
     if (out_dtype == kFloat32) {
       epilogue_impl(acc, m, n, s, bp, static_cast<float*>(out));
@@ -1566,13 +1568,7 @@ int32_t fp8kit_small_gemm(const uint8_t* a, int32_t a_fmt, int64_t a_sm, int64_t
   const int32_t level = isa == kIsaAuto ? best_isa() : isa;
   try {
     const float s = *a_scale * *b_scale;
-    std::vector<float> bias_f;
-    if (bias != nullptr) {
-      bias_f.resize(static_cast<size_t>(n));
-      dispatch_input(bias, bias_dtype, [&](const auto* p) {
-        for (int64_t j = 0; j < n; ++j) bias_f[static_cast<size_t>(j)] = load_f32(p + j);
-      });
-    }
+    const std::vector<float> bias_f = bias_as_float(bias, bias_dtype, n);
     const float* bp = bias != nullptr ? bias_f.data() : nullptr;
     const float* la = decode_table(a_fmt);
     const float* lb = decode_table(b_fmt);
