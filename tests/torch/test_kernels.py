@@ -1080,6 +1080,9 @@ def api_cases() -> tuple[CastCase, ...]:
         CastCase("non-contiguous T+dbias", "cast", base.t(), E5M2, 3.0, True, True),
         CastCase("3-D", "cast", base.reshape(7, 10, 130), E4M3, 3.0, fold="slice", fold_init=1e30),
         CastCase("fold keeps larger", "cast", base, E4M3, 3.0, fold="element", fold_init=1e30),
+        CastCase(
+            "0-d", "cast", torch.tensor(-300.0, dtype=torch.bfloat16), E4M3, 3.0, fold="slice"
+        ),
     ]
     for dtype in (torch.bfloat16, torch.float16):
         pairs = _dbias_pairs(dtype)
@@ -1102,6 +1105,7 @@ def api_cases() -> tuple[CastCase, ...]:
         "subnormal amax": torch.tensor([1e-40, -1e-41, 0.0, 3e-42]),
         "huge amax": torch.tensor([3e38, -1.0, 2.0, 5.0]),
         "bf16 subnormal amax": torch.tensor([1e-39, 0.0], dtype=torch.bfloat16),
+        "0-d": torch.tensor(-7.25),
     }
     for name, cx in currents.items():
         random = name.startswith("random")

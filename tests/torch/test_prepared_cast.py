@@ -67,9 +67,9 @@ def test_prepared_cast_takes_every_x_cast_fp8_takes() -> None:
     empty = cast(torch.zeros(0, 8), True, True)
     assert empty.data.shape == (0, 8) and empty.data_t.shape == (8, 0)
     x3 = torch.randn(2, 3, 4)
-    assert torch.equal(
-        cast(x3, False, False).data.float(), kernels.cast_fp8(x3, scale, E5M2).data.float()
-    )
+    for x in (x3, torch.tensor(-3.5)):  # 3-D and 0-d: the bound call, data of x's shape
+        got, want = cast(x, False, False), kernels.cast_fp8(x, scale, E5M2)
+        assert got.data.shape == x.shape and torch.equal(got.data.float(), want.data.float())
     with pytest.raises(ValueError, match=r"transpose=True needs a 2-D x"):
         cast(x3, True, False)
     with pytest.raises(TypeError, match="x must have dtype"):

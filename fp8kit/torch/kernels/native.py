@@ -58,57 +58,60 @@ def _run(
     amax_out: torch.Tensor | None,
     dbias: bool,
 ) -> CastResult:
-    return _launch(
-        load_native(),
-        x,
+    rule = _cast_rule(
         spec,
         mode,
         None if scale is None else scale.data_ptr(),
         None if count is None else count.data_ptr(),
         config,
-        transpose,
-        None if amax_out is None else amax_out.data_ptr(),
-        dbias,
     )
+    amax_ptr = None if amax_out is None else amax_out.data_ptr()
+    return _launch(load_native(), x, spec, rule, amax_ptr, transpose, dbias)
+
+
+def _cast_rule(
+    spec: CastSpec, mode: int, scale_ptr: int | None, count_ptr: int | None, config: UpdateConfig
+) -> tuple:
+    """``cast_fused``'s arguments from the format id to the scale rule (nine, in its order)."""
+    return (spec.fmt_id, ISA_AUTO, mode, scale_ptr, count_ptr, config.numerator,
+            config.power_2_scale, config.fmax_exp, config.fmax_mant)  # fmt: skip
 
 
 def _launch(
     lib: _Lib,
     x: torch.Tensor,
     spec: CastSpec,
-    mode: int,
-    scale_ptr: int | None,
-    count_ptr: int | None,
-    config: UpdateConfig,
+    rule: tuple,
+    amax_ptr: int | ctypes.c_void_p | None,
     transpose: bool,
-    amax_ptr: int | None,
     dbias: bool,
 ) -> CastResult:
-    """One ``cast_fused`` call: allocates the outputs, passes the given addresses."""
+    """One ``cast_fused`` call: allocates the outputs, passes the given addresses.
+
+    ``rule`` is :func:`_cast_rule`'s tuple, as Python values or as ctypes values converted once
+    (:class:`PreparedCast`); ``amax_ptr`` None asks for the amax as a new tensor. The outputs
+    are allocated with sizes as separate ints: torch parses that form of ``torch.empty`` in
+    half the time of a ``torch.Size`` or tuple argument (docs/performance.md, "Host time per
+    call")."""
     x = _dense(x)
     if transpose or dbias:
         m, n = x.shape
     else:
         m, n = 1, x.numel()
-    data = torch.empty(x.shape, dtype=spec.fp8_dtype)
-    data_t = torch.empty((n, m), dtype=spec.fp8_dtype) if transpose else None
-    amax_res = torch.empty((), dtype=_F32) if amax_ptr is None else None
-    scale_inv = torch.empty((), dtype=_F32)
-    bias = torch.empty((n,), dtype=x.dtype) if dbias else None
+    fp8_dtype = spec.fp8_dtype
+    data = (
+        torch.empty(*x.shape, dtype=fp8_dtype) if x.dim() else torch.empty(size=(), dtype=fp8_dtype)
+    )
+    data_t = torch.empty(n, m, dtype=fp8_dtype) if transpose else None
+    amax_res = torch.empty(size=(), dtype=_F32) if amax_ptr is None else None
+    scale_inv = torch.empty(size=(), dtype=_F32)
+    bias = torch.empty(n, dtype=x.dtype) if dbias else None
     status = lib.cast_fused(
         x.data_ptr(),
         spec.in_id,
         m,
         n,
-        spec.fmt_id,
-        ISA_AUTO,
-        mode,
-        scale_ptr,
-        count_ptr,
-        config.numerator,
-        config.power_2_scale,
-        config.fmax_exp,
-        config.fmax_mant,
+        *rule,
         data.data_ptr(),
         None if data_t is None else data_t.data_ptr(),
         amax_ptr,
@@ -123,13 +126,13 @@ def _launch(
 
 class PreparedCast:
     """:func:`cast` for one fixed ``(scale, fp8 dtype, amax_out, first_step_count)``: their
-    addresses and the format's constants are bound, so a call resolves only ``x``. An ``x`` the
-    bound call cannot take (not a CPU float32 / bfloat16 / float16 tensor, empty, or not 2-D
-    with ``transpose`` / ``dbias``) goes to ``fallback``, the checked API with the same
-    arguments. Holds the bound tensors, so their storage outlives it."""
+    addresses and the format's constants are bound, converted to ctypes values once, so a call
+    resolves only ``x``. An ``x`` the bound call cannot take (not a CPU float32 / bfloat16 /
+    float16 tensor, empty, or not 2-D with ``transpose`` / ``dbias``) goes to ``fallback``, the
+    checked API with the same arguments. Holds the bound tensors, so their storage outlives
+    it."""
 
-    __slots__ = ("_amax_ptr", "_count_ptr", "_fallback", "_lib", "_mode", "_scale_ptr",
-                 "_specs", "_tensors")  # fmt: skip
+    __slots__ = ("_amax_ptr", "_fallback", "_lib", "_rules", "_tensors")
 
     def __init__(
         self,
@@ -140,21 +143,28 @@ class PreparedCast:
         fallback: Callable[[torch.Tensor, bool, bool], CastResult],
     ) -> None:
         self._lib = load_native()
-        self._specs = {d: cast_spec(fp8_dtype, torch.empty(0, dtype=d)) for d in _IN_IDS}
-        self._mode = _MODE_GIVEN if first_step_count is None else _MODE_FIRST_STEP
-        self._scale_ptr = scale.data_ptr()
-        self._amax_ptr = None if amax_out is None else amax_out.data_ptr()
-        self._count_ptr = None if first_step_count is None else first_step_count.data_ptr()
+        mode = _MODE_GIVEN if first_step_count is None else _MODE_FIRST_STEP
+        count_ptr = None if first_step_count is None else first_step_count.data_ptr()
+        self._rules = {}
+        for dtype in _IN_IDS:
+            spec = cast_spec(fp8_dtype, torch.empty(0, dtype=dtype))
+            rule = _cast_rule(spec, mode, scale.data_ptr(), count_ptr, spec.current_rules[False])
+            self._rules[dtype] = (spec, _as_ctypes(self._lib.cast_fused.argtypes[4:13], rule))
+        self._amax_ptr = None if amax_out is None else ctypes.c_void_p(amax_out.data_ptr())
         self._tensors = (scale, amax_out, first_step_count)
         self._fallback = fallback
 
     def __call__(self, x: torch.Tensor, transpose: bool, dbias: bool) -> CastResult:
-        spec = self._specs.get(x.dtype)
-        if spec is None or not x.is_cpu or not x.numel() or ((transpose or dbias) and x.dim() != 2):
+        rule = self._rules.get(x.dtype)
+        if rule is None or not x.is_cpu or not x.numel() or ((transpose or dbias) and x.dim() != 2):
             return self._fallback(x, transpose, dbias)
-        config = spec.current_rules[False]
-        return _launch(self._lib, x, spec, self._mode, self._scale_ptr, self._count_ptr, config,
-                       transpose, self._amax_ptr, dbias)  # fmt: skip
+        return _launch(self._lib, x, rule[0], rule[1], self._amax_ptr, transpose, dbias)
+
+
+def _as_ctypes(types: list, values: tuple) -> tuple:
+    """``values`` converted once to the ctypes values of their ``types`` (a foreign call then
+    passes them without converting them again: about 0.1 us per argument)."""
+    return tuple(t(v) for t, v in zip(types, values, strict=True))
 
 
 def cast(
@@ -184,7 +194,7 @@ def amax(x: torch.Tensor, amax_out: torch.Tensor | None) -> torch.Tensor | None:
     """:func:`fp8kit.torch.kernels.compute_amax` in one native call."""
     lib = load_native()
     x = _dense(x)
-    out = torch.empty((), dtype=_F32) if amax_out is None else None
+    out = torch.empty(size=(), dtype=_F32) if amax_out is None else None
     status = lib.amax_fused(
         x.data_ptr(),
         _IN_IDS[x.dtype],
@@ -275,9 +285,11 @@ def prepare_delayed_update(
 ) -> Callable[[], int]:
     """:func:`fp8kit.torch.kernels.prepare_delayed_update` as one native call with its
     arguments bound."""
+    lib = load_native()
     args = _update_args(history, scale, scale_inv, count, config, None, None, nonfinite_count)
+    args = _as_ctypes(lib.delayed_update.argtypes[: len(args)], args)
     tensors = (history, scale, scale_inv, count, nonfinite_count)
-    return _PreparedUpdate(load_native().delayed_update, args, tensors)
+    return _PreparedUpdate(lib.delayed_update, args, tensors)
 
 
 def dequantize(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -296,7 +308,7 @@ def gemm_epilogue(
     """:func:`fp8kit.torch.kernels.gemm_epilogue` in one native call (in place for float32)."""
     lib = load_native()
     m, n = acc.shape
-    out = acc if out_dtype is _F32 else torch.empty((m, n), dtype=out_dtype)
+    out = acc if out_dtype is _F32 else torch.empty(m, n, dtype=out_dtype)
     if bias is not None:
         bias = _dense(bias)
     status = lib.gemm_epilogue(
@@ -328,7 +340,7 @@ def small_fp8_gemm(
     for the tests)."""
     lib = load_native()
     (m, k), n = a.shape, b.shape[1]
-    out = torch.empty((m, n), dtype=out_dtype)
+    out = torch.empty(m, n, dtype=out_dtype)
     if bias is not None:
         bias = _dense(bias)
     a_sm, a_sk = a.stride()
