@@ -168,7 +168,7 @@ def fp8_gemm(
         ``(M, N)`` tensor of ``out_dtype``.
     """
     a_scale_inv, b_scale_inv = _scalar(a_scale_inv), _scalar(b_scale_inv)
-    if a.device.type == "cpu" and cpu_gemm_backend() == "dequant":
+    if a.is_cpu and cpu_gemm_backend() == "dequant":
         return _dequant_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
     return torch._scaled_mm(
         a,
@@ -197,17 +197,13 @@ def fp8_gemm_bias(
     float16 output's dtype. Otherwise the GEMM writes float32, the bias is added in float32 and
     the sum is rounded once: the same numbers as the fused CPU epilogue.
     """
-    if bias is None or _fuses_bias(a, out_dtype, bias):
+    if a.is_cpu and cpu_gemm_backend() == "dequant":  # its epilogue adds any bias
+        return _dequant_mm(a, b, _scalar(a_scale_inv), _scalar(b_scale_inv), out_dtype, bias)
+    if bias is None or cublaslt_fuses_bias(out_dtype, bias):
         return fp8_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias=bias, fast_accum=fast_accum)
     y = fp8_gemm(a, b, a_scale_inv, b_scale_inv, torch.float32, fast_accum=fast_accum)
     y = y.add_(bias)
     return y if out_dtype == torch.float32 else y.to(out_dtype)
-
-
-def _fuses_bias(a: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor) -> bool:
-    if a.device.type == "cpu" and cpu_gemm_backend() == "dequant":
-        return True
-    return cublaslt_fuses_bias(out_dtype, bias)
 
 
 def cublaslt_fuses_bias(out_dtype: torch.dtype, bias: torch.Tensor) -> bool:
