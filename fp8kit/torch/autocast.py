@@ -90,6 +90,10 @@ class FP8Settings:
         plan: ``plan_for(recipe)``.
         event_key: an integer naming ``(recipe, group)`` (:func:`event_of`), for compiled
             graphs, whose ops take ints rather than Python objects.
+        forward_states: under delayed scaling, the states (by id) queued for the forward update
+            event this body's quantizations join: the outermost enabled autocast's entry for
+            ``(recipe, group)``, found once at entry so an enrolment is one dict insertion
+            (:func:`register_forward_state`); None otherwise.
     """
 
     recipe: Recipe
@@ -98,6 +102,7 @@ class FP8Settings:
     calibrating: bool
     plan: RecipePlan
     event_key: int
+    forward_states: dict[int, ScalingState] | None = field(default=None, compare=False)
 
 
 # (recipe, group) pairs by integer key, both ways (docs/decisions/0233-torch-compile.md).
@@ -212,18 +217,28 @@ def current_recipe() -> Recipe | None:
     return frame.recipe if frame is not None else None
 
 
-def register_forward_state(state: ScalingState, recipe: DelayedScaling, group: Any) -> None:
+def register_forward_state(
+    state: ScalingState,
+    recipe: DelayedScaling,
+    group: Any,
+    queued: dict[int, ScalingState] | None = None,
+) -> None:
     """Queue ``state`` for the forward update at the exit of the outermost enabled autocast.
 
     Call it only for quantizations made with grad mode on (the module decides): under
-    ``torch.no_grad()`` the staging row keeps accumulating and nothing rolls.
+    ``torch.no_grad()`` the staging row keeps accumulating and nothing rolls. ``queued``: the
+    :attr:`FP8Settings.forward_states` of the autocast the call runs in (the same queue, found
+    at its entry), or None to look it up.
     """
     if _recorders:
         _recorders[-1].append(Enrolment(state, recipe, group, False))
         return
-    owner = _owner_frame()
-    if owner is not None:
-        _add_pending(owner.forward_pending, state, recipe, group, "forward")
+    if queued is None:
+        owner = _owner_frame()
+        if owner is None:
+            return
+        queued = _pending_entry(owner.forward_pending, recipe, group, "forward").states
+    queued.setdefault(id(state), state)
 
 
 def _owner_frame() -> _Frame | None:
@@ -294,7 +309,15 @@ class autocast(contextlib.ContextDecorator):
             )
         stack = _stack()
         active = self.enabled or self.calibrating
-        owns = active and not any(f.owns_updates for f in stack)
+        owner = _owner_frame()
+        owns = active and owner is None
+        forward_pending: _Pending = {}
+        forward_states = None
+        if active and isinstance(self.recipe, DelayedScaling):
+            # Every rank enters the same autocasts, so this fixes the same events, in the same
+            # order, on every rank, whichever modules run (needed when events are collectives).
+            pending = forward_pending if owner is None else owner.forward_pending
+            forward_states = _pending_entry(pending, self.recipe, self.group, "forward").states
         settings = (
             FP8Settings(
                 self.recipe,
@@ -303,11 +326,12 @@ class autocast(contextlib.ContextDecorator):
                 self.calibrating,
                 plan_for(self.recipe),
                 _event_key(self.recipe, self.group),
+                forward_states,
             )
             if active
             else None
         )
-        frame = _Frame(self.enabled, self.recipe, self.group, owns, settings)
+        frame = _Frame(self.enabled, self.recipe, self.group, owns, settings, forward_pending)
         stack.append(frame)
         self._frames.append(frame)
         # PyTorch's fused encoder fast path (nn.TransformerEncoderLayer in eval, no grad) calls
@@ -316,12 +340,6 @@ class autocast(contextlib.ContextDecorator):
         self._mha_fastpath.append(torch.backends.mha.get_fastpath_enabled())
         if active:
             torch.backends.mha.set_fastpath_enabled(False)
-        if active and isinstance(self.recipe, DelayedScaling):
-            # Every rank enters the same autocasts, so this fixes the same events, in the same
-            # order, on every rank, whichever modules run (needed when events are collectives).
-            owner = _owner_frame()
-            if owner is not None:
-                _pending_entry(owner.forward_pending, self.recipe, self.group, "forward")
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

@@ -53,7 +53,15 @@ def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> 
         ):  # loaded from a checkpoint with another L since the last call
             bind_recipe(meta, recipe)
     training = settings.calibrating or torch.is_grad_enabled()
-    return FP8Run(settings.plan, settings.group, meta, training, settings.fp8, settings.event_key)
+    return FP8Run(
+        settings.plan,
+        settings.group,
+        meta,
+        training,
+        settings.fp8,
+        settings.event_key,
+        settings.forward_states,
+    )
 
 
 def resolve_params_dtype(

@@ -20,7 +20,7 @@ from fp8kit.torch.plan import RecipePlan
 from fp8kit.torch.quantization import Float8Tensor, nan_ignoring_amax
 from fp8kit.torch.slot_cast import quantize_slot
 from fp8kit.torch.slot_ops import quantize_traced, record_traced
-from fp8kit.torch.state import FP8Meta
+from fp8kit.torch.state import FP8Meta, ScalingState
 
 __all__ = ["FP8Run", "quantize_slot"]
 
@@ -33,6 +33,8 @@ class FP8Run:
     ``fp8``: False in a calibration-only region: GEMMs run in high precision and the module only
     records amaxes (:meth:`record_forward`).
     ``event_key``: the autocast's integer key of ``(recipe, group)`` (the compiled op's handle).
+    ``forward_states``: the autocast's :attr:`~fp8kit.torch.autocast.FP8Settings.forward_states`
+    (where forward enrolments go; None: look the queue up at each enrolment).
     """
 
     plan: RecipePlan
@@ -41,6 +43,7 @@ class FP8Run:
     training: bool
     fp8: bool = True
     event_key: int = 0
+    forward_states: dict[int, ScalingState] | None = None
 
     @property
     def recipe(self) -> Recipe:
@@ -83,7 +86,7 @@ class FP8Run:
             )[0]
         q, _ = quantize_slot(x, self.plan, state, slot, False, record, transpose)
         if enrol_state:
-            register_forward_state(state, self.plan.recipe, self.group)  # type: ignore[arg-type]
+            register_forward_state(state, self.plan.recipe, self.group, self.forward_states)  # type: ignore[arg-type]
         return q
 
     def record_forward(self, x: torch.Tensor, slot: int) -> None:
@@ -94,7 +97,7 @@ class FP8Run:
             return
         meta.forward.record_amax(slot, nan_ignoring_amax(x.detach()))
         if enrol_state:
-            register_forward_state(meta.forward, self.plan.recipe, self.group)  # type: ignore[arg-type]
+            register_forward_state(meta.forward, self.plan.recipe, self.group, self.forward_states)  # type: ignore[arg-type]
 
     def quantize_backward(
         self, x: torch.Tensor, slot: int, transpose: bool = False, dbias: bool = False
