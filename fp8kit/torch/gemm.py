@@ -34,6 +34,7 @@ __all__ = [
     "cublaslt_fuses_bias",
     "fp8_gemm",
     "fp8_gemm_bias",
+    "fp8_gemm_bias_t",
     "fp8_matmul",
     "pad_to_alignment",
     "scaled_mm",
@@ -206,6 +207,25 @@ def fp8_gemm_bias(
     return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
+def fp8_gemm_bias_t(
+    a: torch.Tensor,
+    b_t: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """:func:`fp8_gemm_bias` with B given transposed: ``a @ b_t.T``, ``b_t`` the row-major
+    ``(N, K)`` FP8 tensor whose ``.t()`` is the column-major B (the layout the modules keep: FP8
+    W, W^T and x^T). The CPU's dequant GEMM reads ``b_t`` as it is, one view op fewer per GEMM
+    on the modules' hot path; elsewhere this is ``fp8_gemm_bias(a, b_t.t(), ...)``."""
+    if a.is_cpu and cpu_gemm_backend() == "dequant":
+        sa, sb = _scalar(a_scale_inv), _scalar(b_scale_inv)
+        return _dequant_mm(a, b_t, sa, sb, out_dtype, bias, b_transposed=True)
+    return fp8_gemm_bias(a, b_t.t(), a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum)
+
+
 def cublaslt_fuses_bias(out_dtype: torch.dtype, bias: torch.Tensor) -> bool:
     """Whether ``torch._scaled_mm`` can add ``bias`` in its epilogue: a bfloat16 / float16
     output and a bias of that dtype (:func:`check_bias_contract`)."""
@@ -224,6 +244,7 @@ def _dequant_mm(
     b_scale_inv: torch.Tensor,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
+    b_transposed: bool = False,
 ) -> torch.Tensor:
     """The same GEMM as ``_scaled_mm`` from exactly upcast operands: every FP8 value and every
     product of two FP8 values is exact in float32, so only the float32 accumulation order can
@@ -237,9 +258,15 @@ def _dequant_mm(
 
     A GEMM of at most :data:`SMALL_GEMM_MACS` multiply-adds is one native call instead
     (:func:`fp8kit.torch.kernels.small_fp8_gemm`: decode, sum over k in order, same epilogue),
-    where the native library is built; its last bits may differ from ``torch.mm``'s."""
-    if a.shape[0] * a.shape[1] * b.shape[1] <= SMALL_GEMM_MACS and kernels.native_available():
-        return kernels.small_fp8_gemm_unchecked(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
+    where the native library is built; its last bits may differ from ``torch.mm``'s.
+
+    ``b_transposed``: ``b`` holds ``B^T`` (:func:`fp8_gemm_bias_t`)."""
+    n = b.shape[0] if b_transposed else b.shape[1]
+    if a.shape[0] * a.shape[1] * n <= SMALL_GEMM_MACS and kernels.native_available():
+        return kernels.small_fp8_gemm_unchecked(
+            a, b, a_scale_inv, b_scale_inv, out_dtype, bias, b_transposed
+        )
+    b = b.t() if b_transposed else b
     return _upcast_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch.autocast import FP8Settings, current_settings
-from fp8kit.torch.gemm import GEMM_ALIGNMENT, cublaslt_fuses_bias, fp8_gemm_bias, padded_mm
+from fp8kit.torch.gemm import GEMM_ALIGNMENT, cublaslt_fuses_bias, fp8_gemm_bias_t, padded_mm
 from fp8kit.torch.quantization import Float8Tensor, check_high_precision
 from fp8kit.torch.quantizer import FP8Run
 from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, bind_recipe, bwd_slot, fwd_slot
@@ -145,28 +145,29 @@ def _aligned(m: int, k: int, n: int) -> bool:
 
 def _gemm(
     a: torch.Tensor,
-    b: torch.Tensor,
+    b_t: torch.Tensor,
     a_scale_inv: torch.Tensor,
     b_scale_inv: torch.Tensor,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
     fast_accum: bool,
 ) -> torch.Tensor:
-    """``a @ b * a_scale_inv * b_scale_inv (+ bias)`` rounded once to ``out_dtype``.
+    """``a @ b_t.T * a_scale_inv * b_scale_inv (+ bias)`` rounded once to ``out_dtype``.
 
-    ``a`` (M, K) row-major and ``b`` (K, N) column-major FP8. Aligned shapes take one GEMM with
-    the bias fused where the backend can (:func:`~fp8kit.torch.gemm.fp8_gemm_bias`). Unaligned
-    shapes are zero-padded (:func:`padded_mm`); the bias is fused there for a bfloat16/float16
-    output of its dtype, else added in float32 and the sum rounded once.
+    ``a`` (M, K) and ``b_t`` (N, K) row-major FP8 (``b_t.t()`` is the column-major B). Aligned
+    shapes take one GEMM with the bias fused where the backend can
+    (:func:`~fp8kit.torch.gemm.fp8_gemm_bias_t`). Unaligned shapes are zero-padded
+    (:func:`padded_mm`); the bias is fused there for a bfloat16/float16 output of its dtype,
+    else added in float32 and the sum rounded once.
     """
-    if _aligned(a.shape[0], a.shape[1], b.shape[1]):
-        return fp8_gemm_bias(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum)
+    if _aligned(a.shape[0], a.shape[1], b_t.shape[0]):
+        return fp8_gemm_bias_t(a, b_t, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum)
     fuse = bias is not None and cublaslt_fuses_bias(out_dtype, bias)
     gemm_dtype = out_dtype if bias is None or fuse else torch.float32
     gemm_bias = bias if fuse else None
     y = padded_mm(
         Float8Tensor(a, a_scale_inv),
-        Float8Tensor(b, b_scale_inv),
+        Float8Tensor(b_t.t(), b_scale_inv),
         gemm_dtype,
         bias=gemm_bias,
         use_fast_accum=fast_accum,
@@ -210,7 +211,7 @@ class _LinearFunction(torch.autograd.Function):
         if fprop_fp8:
             y = _gemm(
                 x_fp8.data,  # type: ignore[union-attr]
-                w_fp8.data.t(),  # type: ignore[union-attr]
+                w_fp8.data,  # type: ignore[union-attr]
                 x_fp8.scale_inv,  # type: ignore[union-attr]
                 w_fp8.scale_inv,  # type: ignore[union-attr]
                 x.dtype,
@@ -258,10 +259,10 @@ class _LinearFunction(torch.autograd.Function):
         dx = dw = None
         if need_dx:
             if dgrad_fp8:
-                # B = W (N, K) column-major, i.e. the row-major W^T seen transposed.
+                # B = W (N, K) column-major: its transpose is the row-major W^T.
                 dx = _gemm(
                     dy_fp8.data,  # type: ignore[union-attr]
-                    w_t.t(),
+                    w_t,
                     dy_fp8.scale_inv,  # type: ignore[union-attr]
                     ctx.w_scale_inv,
                     ctx.x_dtype,
@@ -275,10 +276,10 @@ class _LinearFunction(torch.autograd.Function):
                 dx = run.quantize_backward(dx, slot)[0].dequantize(dx.dtype)
         if need_dw:
             if wgrad_fp8:
-                # A = dY^T (N, M) row-major; B = x (M, K) column-major (x^T seen transposed).
+                # A = dY^T (N, M) row-major; B = x (M, K) column-major: its transpose is x^T.
                 dw = _gemm(
                     dy_fp8.data_t,  # type: ignore[union-attr]
-                    x_t.t(),
+                    x_t,
                     dy_fp8.scale_inv,  # type: ignore[union-attr]
                     ctx.x_scale_inv,
                     weight.dtype,

@@ -38,10 +38,10 @@ class CountGemms:
             self.kwargs.append(kwargs)
             return real_scaled_mm(*args, **kwargs)
 
-        def counting_dequant_mm(a, b, sa, sb, out_dtype, bias):
+        def counting_dequant_mm(a, b, sa, sb, out_dtype, bias, b_transposed=False):
             self.calls += 1
             self.kwargs.append({"out_dtype": out_dtype, "bias": bias})
-            return real_dequant_mm(a, b, sa, sb, out_dtype, bias)
+            return real_dequant_mm(a, b, sa, sb, out_dtype, bias, b_transposed)
 
         monkeypatch.setattr(torch, "_scaled_mm", counting_scaled_mm)
         monkeypatch.setattr(gemm, "_dequant_mm", counting_dequant_mm)

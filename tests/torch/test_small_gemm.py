@@ -71,7 +71,8 @@ def test_small_fp8_gemm_against_numpy(
     out_dtype: torch.dtype, bias_dtype: torch.dtype | None, formats: tuple[FP8Format, ...]
 ) -> None:
     """Every backend (and every native loop) gives the numpy bits, NaN as NaN, for random
-    operands with edge codes, both operand layouts, every output and bias dtype."""
+    operands with edge codes, both operand layouts (B also given as its transpose), every
+    output and bias dtype."""
     fa, fb = formats
     rng = np.random.default_rng(7)
     a_scale, b_scale = torch.tensor(3.7e-2), torch.tensor([2.0**-9 * 1.3])
@@ -97,6 +98,11 @@ def test_small_fp8_gemm_against_numpy(
                 for isa in _isas():
                     got = native.small_fp8_gemm(a_t, b_t, a_scale, b_scale, out_dtype, bias, isa)
                     assert_same_values(got, want, f"native isa {isa} {what}")
+                    # B given as its transpose (N, K), read through its strides
+                    got = native.small_fp8_gemm(
+                        a_t, b_t.t(), a_scale, b_scale, out_dtype, bias, isa, b_transposed=True
+                    )
+                    assert_same_values(got, want, f"native isa {isa} B^T {what}")
 
 
 @needs_native
@@ -104,26 +110,33 @@ def test_linear_sized_gemms_take_the_small_gemm_below_the_threshold(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The CPU dequant GEMM is one small-GEMM call up to SMALL_GEMM_MACS multiply-adds and
-    torch.mm above; both give what their definitions say."""
-    calls: list[tuple[int, int, int]] = []
+    torch.mm above, with B given column-major (fp8_gemm) or as its row-major transpose
+    (fp8_gemm_bias_t, the modules' hot path); all give what their definitions say."""
+    calls: list[tuple[int, int, int, bool]] = []
     real = native.small_fp8_gemm
 
-    def spy(a: torch.Tensor, b: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append((a.shape[0], a.shape[1], b.shape[1]))
-        return real(a, b, *args)  # type: ignore[arg-type]
+    def spy(a: torch.Tensor, b: torch.Tensor, *args: object, b_transposed: bool = False):  # type: ignore[no-untyped-def]
+        n = b.shape[0] if b_transposed else b.shape[1]
+        calls.append((a.shape[0], a.shape[1], n, b_transposed))
+        return real(a, b, *args, b_transposed=b_transposed)  # type: ignore[arg-type]
 
     monkeypatch.setattr(native, "small_fp8_gemm", spy)
     rng = np.random.default_rng(3)
-    one = torch.tensor(1.0)
+    one, scale = torch.tensor(1.0), torch.tensor(0.25)
     small, large = (64, 128, 128), (64, 128, 129)
     assert small[0] * small[1] * small[2] == gemm.SMALL_GEMM_MACS
     for m, k, n in (small, large):
         a = _to_fp8(fp8_round(rng.standard_normal((m, k)), E4M3), E4M3)
-        b = _to_fp8(fp8_round(rng.standard_normal((n, k)), E4M3), E4M3).t()
-        got = gemm.fp8_gemm(a, b, one, one, torch.float32)
-        want = a.float().double() @ b.float().double()
+        b_t = _to_fp8(fp8_round(rng.standard_normal((n, k)), E4M3), E4M3)
+        bias = torch.from_numpy(rng.standard_normal(n)).float()
+        want = a.float().double() @ b_t.float().double().t()
+        got = gemm.fp8_gemm(a, b_t.t(), one, one, torch.float32)
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-5)
-    assert calls == [small]
+        got_t = gemm.fp8_gemm_bias_t(a, b_t, one, scale, torch.float32, bias)
+        torch.testing.assert_close(
+            got_t.double(), want * 0.25 + bias.double(), rtol=1e-6, atol=1e-5
+        )
+    assert calls == [(*small, False), (*small, True)]
 
 
 @needs_native

@@ -739,14 +739,17 @@ def small_fp8_gemm_unchecked(
     b_scale: torch.Tensor,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
+    b_transposed: bool = False,
 ) -> torch.Tensor:
     """:func:`small_fp8_gemm` on the native kernel without its argument checks, for callers
     that meet its contract by construction (``fp8kit.torch.gemm.fp8_gemm``, the modules' hot
-    path): CPU tensors, the native library loaded. Inside a ``torch.compile`` trace it is the
-    ``fp8kit::small_fp8_gemm`` op."""
+    path): CPU tensors, the native library loaded. ``b_transposed``: ``b`` holds ``B^T``,
+    ``(N, K)`` (the native call reads it through its strides: no transposed view is made).
+    Inside a ``torch.compile`` trace it is the ``fp8kit::small_fp8_gemm`` op."""
     if torch.compiler.is_compiling():
+        b = b.t() if b_transposed else b
         return native_ops.small_fp8_gemm_op(a, b, a_scale, b_scale, out_dtype, bias)
-    return native.small_fp8_gemm(a, b, a_scale, b_scale, out_dtype, bias)
+    return native.small_fp8_gemm(a, b, a_scale, b_scale, out_dtype, bias, b_transposed=b_transposed)
 
 
 def _dequant_native_ok(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> bool:

@@ -335,16 +335,23 @@ def small_fp8_gemm(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
     isa: int = ISA_AUTO,
+    b_transposed: bool = False,
 ) -> torch.Tensor:
     """:func:`fp8kit.torch.kernels.small_fp8_gemm` in one native call (``isa`` forces a loop,
-    for the tests)."""
+    for the tests; ``b_transposed``: ``b`` holds ``B^T``, ``(N, K)``, read through its
+    strides)."""
     lib = load_native()
-    (m, k), n = a.shape, b.shape[1]
+    m, k = a.shape
+    if b_transposed:
+        n = b.shape[0]
+        b_sn, b_sk = b.stride()
+    else:
+        n = b.shape[1]
+        b_sk, b_sn = b.stride()
     out = torch.empty(m, n, dtype=out_dtype)
     if bias is not None:
         bias = _dense(bias)
     a_sm, a_sk = a.stride()
-    b_sk, b_sn = b.stride()
     status = lib.small_gemm(
         a.data_ptr(),
         _FP8_FMT_IDS[a.dtype],
