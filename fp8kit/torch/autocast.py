@@ -105,24 +105,26 @@ class FP8Settings:
     forward_states: dict[int, ScalingState] | None = field(default=None, compare=False)
 
 
-# (recipe, group) pairs by integer key, both ways (docs/decisions/0233-torch-compile.md).
-_event_keys: dict[tuple[Recipe, int], int] = {}
+# (recipe, group) pairs by integer key, both ways (docs/decisions/0233-torch-compile.md); the
+# key's entry also holds the recipe's plan, so entering an autocast makes one lookup.
+_event_keys: dict[tuple[Recipe, int], tuple[RecipePlan, int]] = {}
 _events: dict[int, tuple[Recipe, Any]] = {}
 
 
 _event_keys_lock = threading.Lock()
 
 
-def _event_key(recipe: Recipe, group: Any) -> int:
-    key = _event_keys.get((recipe, id(group)))
-    if key is None:
+def _event_facts(recipe: Recipe, group: Any) -> tuple[RecipePlan, int]:
+    """``(plan_for(recipe), event key of (recipe, group))``."""
+    facts = _event_keys.get((recipe, id(group)))
+    if facts is None:
         with _event_keys_lock:  # threads entering autocasts at once get distinct keys
-            key = _event_keys.get((recipe, id(group)))
-            if key is None:
+            facts = _event_keys.get((recipe, id(group)))
+            if facts is None:
                 key = len(_events) + 1
                 _events[key] = (recipe, group)
-                _event_keys[(recipe, id(group))] = key
-    return key
+                facts = _event_keys[(recipe, id(group))] = (plan_for(recipe), key)
+    return facts
 
 
 def event_of(event_key: int) -> tuple[Recipe, Any]:
@@ -241,9 +243,10 @@ def register_forward_state(
     queued.setdefault(id(state), state)
 
 
-def _owner_frame() -> _Frame | None:
-    """The outermost enabled frame, which runs the forward updates at its exit."""
-    for frame in _stack():
+def _owner_frame(stack: list[_Frame] | None = None) -> _Frame | None:
+    """The outermost enabled frame of ``stack`` (default: this thread's), which runs the
+    forward updates at its exit."""
+    for frame in _stack() if stack is None else stack:
         if frame.owns_updates:
             return frame
     return None
@@ -309,7 +312,7 @@ class autocast(contextlib.ContextDecorator):
             )
         stack = _stack()
         active = self.enabled or self.calibrating
-        owner = _owner_frame()
+        owner = _owner_frame(stack)
         owns = active and owner is None
         forward_pending: _Pending = {}
         forward_states = None
@@ -324,8 +327,7 @@ class autocast(contextlib.ContextDecorator):
                 self.group,
                 self.enabled,
                 self.calibrating,
-                plan_for(self.recipe),
-                _event_key(self.recipe, self.group),
+                *_event_facts(self.recipe, self.group),
                 forward_states,
             )
             if active

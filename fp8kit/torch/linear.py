@@ -125,7 +125,7 @@ def cached_fp8_weights(
     in ``cache`` (updated in place). False: reuse ``cache`` without recording.
     """
     if is_first_microbatch is None:
-        if any(w is not None for w in cache):  # written only when it held weights: a traced
+        if cache.count(None) != len(cache):  # written only when it held weights: a traced
             cache[:] = [None] * len(weights)  # call then has no Python side effect here
     elif is_first_microbatch:
         cache[:] = [run.quantize_weight(w.detach(), g) for g, w in enumerate(weights)]
