@@ -19,7 +19,7 @@ from benchmarks.common import machine_note, markdown_table, round_robin
 from fp8kit.formats import E4M3, E5M2
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch import kernels
-from fp8kit.torch.gemm import fp8_gemm
+from fp8kit.torch.gemm import fp8_gemm_bias_t
 from fp8kit.torch.state import ScalingState
 
 
@@ -29,7 +29,7 @@ class _KernelsOnly(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, casts):  # type: ignore[no-untyped-def, override]
         qx, qw = casts[0](x, True, False), casts[1](w, True, False)
-        y = fp8_gemm(qx.data, qw.data.t(), qx.scale_inv, qw.scale_inv, x.dtype, bias=b)
+        y = fp8_gemm_bias_t(qx.data, qw.data, qx.scale_inv, qw.scale_inv, x.dtype, b)
         ctx.save_for_backward(qx.data_t, qw.data_t, qx.scale_inv, qw.scale_inv)
         ctx.cast_dy = casts[2]
         return y
@@ -38,8 +38,8 @@ class _KernelsOnly(torch.autograd.Function):
     def backward(ctx, dy):  # type: ignore[no-untyped-def, override]
         x_t, w_t, sx, sw = ctx.saved_tensors
         qdy = ctx.cast_dy(dy.contiguous(), True, True)
-        dx = fp8_gemm(qdy.data, w_t.t(), qdy.scale_inv, sw, dy.dtype)
-        dw = fp8_gemm(qdy.data_t, x_t.t(), qdy.scale_inv, sx, dy.dtype)
+        dx = fp8_gemm_bias_t(qdy.data, w_t, qdy.scale_inv, sw, dy.dtype, None)
+        dw = fp8_gemm_bias_t(qdy.data_t, x_t, qdy.scale_inv, sx, dy.dtype, None)
         return dx, dw, qdy.dbias, None
 
 
