@@ -73,7 +73,10 @@ def reduction_active(recipe: DelayedScaling, group: Any) -> bool:
     True when ``recipe.reduce_amax`` is set, ``torch.distributed`` is initialised and ``group``
     (None = WORLD) has more than one rank.
     """
-    return bool(recipe.reduce_amax) and group_size(group) > 1
+    if not recipe.reduce_amax:
+        return False
+    dist = _dist()  # group_size's test, spelled out: this runs at every update event
+    return bool(dist.is_available() and dist.is_initialized()) and dist.get_world_size(group) > 1
 
 
 def resolve_group(group: Any) -> Any:

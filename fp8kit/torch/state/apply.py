@@ -36,11 +36,11 @@ def prepared_update(
     sync), kept on the pool until its tensors are replaced; None for callable algorithms (their
     rule runs in torch). The steady-state event of a registry whose states all ran
     (docs/performance.md)."""
-    if not _builtin(recipe):
-        return None
     key = ("update", recipe, fmax)
     update = pool.derived.get(key)
     if update is None:
+        if not _builtin(recipe):
+            return None
         tensors, rule = _kernel_args(pool, recipe, fmax)
         update = pool.derived[key] = prepare_delayed_update(*tensors, **rule)
     return update  # type: ignore[return-value]
