@@ -4,18 +4,19 @@ At these sizes the GEMMs cost little, so the ratio is the Python and launch work
 kernels. A third variant, "kernels only", runs the same FP8 step (three casts, three GEMMs, two
 update events) from fp8kit's kernel API inside a bare autograd Function, with nothing else: the
 floor any frontend built on these kernel calls can reach. All are timed round-robin in one
-process (median of rounds).
+process; the tables give the median and the best of the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from collections.abc import Callable
 
 import torch
 
 import fp8kit.torch as f8
-from benchmarks.common import machine_note, markdown_table, round_robin
+from benchmarks.common import machine_note, markdown_table, round_robin_samples
 from fp8kit.formats import E4M3, E5M2
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch import kernels
@@ -68,8 +69,9 @@ def _kernels_only_step(fp8: f8.Linear, x: torch.Tensor) -> Callable[[], None]:
     return step
 
 
-def step_times(size: int, repeats: int, calls: int = 20) -> dict[str, float]:
-    """Median microseconds per training step of ``nn.Linear`` and ``f8.Linear`` (size x size)."""
+def step_times(size: int, repeats: int, calls: int = 20) -> dict[str, list[float]]:
+    """Microseconds per training step of ``nn.Linear``, ``f8.Linear`` and the kernels-only
+    floor (size x size), one value per round (interleaved rounds of ``calls`` steps each)."""
     torch.manual_seed(0)
     x = torch.randn(size, size, requires_grad=True)
     base, fp8 = torch.nn.Linear(size, size), f8.Linear(size, size)
@@ -92,8 +94,19 @@ def step_times(size: int, repeats: int, calls: int = 20) -> dict[str, float]:
             floor_step()
 
     variants = {"nn.Linear": plain, "fp8kit delayed": fp8_step, "kernels only": floor}
-    seconds = round_robin(variants, repeats, warmup=2)
-    return {name: s / calls * 1e6 for name, s in seconds.items()}
+    samples = round_robin_samples(variants, repeats, warmup=2)
+    return {name: [s / calls * 1e6 for s in values] for name, values in samples.items()}
+
+
+def _table(times: dict[int, dict[str, float]]) -> str:
+    header = ["Linear", "nn.Linear us / step", "fp8kit us / step", "kernels only us / step",
+              "fp8kit / nn.Linear", "kernels only / nn.Linear"]  # fmt: skip
+    rows = []
+    for size, t in times.items():
+        base, ours, floor = t["nn.Linear"], t["fp8kit delayed"], t["kernels only"]
+        rows.append([f"{size} x {size}", f"{base:.0f}", f"{ours:.0f}", f"{floor:.0f}",
+                     f"{ours / base:.2f}x", f"{floor / base:.2f}x"])  # fmt: skip
+    return markdown_table(header, rows)
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -101,15 +114,15 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--quick", action="store_true", help="few rounds")
     args = parser.parse_args(argv)
     repeats = 3 if args.quick else 15
-    rows = []
-    for size in (32, 256):
-        t = step_times(size, repeats)
-        base, ours, floor = t["nn.Linear"], t["fp8kit delayed"], t["kernels only"]
-        rows.append([f"{size} x {size}", f"{base:.0f}", f"{ours:.0f}", f"{floor:.0f}",
-                     f"{ours / base:.2f}x", f"{floor / base:.2f}x"])  # fmt: skip
-    header = ["Linear", "nn.Linear us / step", "fp8kit us / step", "kernels only us / step",
-              "fp8kit / nn.Linear", "kernels only / nn.Linear"]  # fmt: skip
-    text = f"Machine: {machine_note()}\n\n" + markdown_table(header, rows)
+    samples = {size: step_times(size, repeats) for size in (32, 256)}
+    medians = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in samples.items()}
+    best = {n: {k: min(v) for k, v in t.items()} for n, t in samples.items()}
+    text = (
+        f"Machine: {machine_note()}\n\n"
+        f"Median of {repeats} rounds:\n\n{_table(medians)}\n\n"
+        f"Best of {repeats} rounds (less disturbed by other load on a shared machine):\n\n"
+        f"{_table(best)}"
+    )
     print(text)
     return text
 

@@ -44,11 +44,11 @@ def machine_note() -> str:
     )
 
 
-def round_robin(
+def round_robin_samples(
     variants: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
-) -> dict[str, float]:
-    """Median seconds per call of each variant, timed in interleaved rounds (one call of each
-    variant per round) so that load changes hit every variant alike."""
+) -> dict[str, list[float]]:
+    """Seconds per call of each variant in each of ``repeats`` interleaved rounds (one call of
+    each variant per round), so that load changes hit every variant alike."""
     for fn in variants.values():
         for _ in range(warmup):
             fn()
@@ -58,6 +58,14 @@ def round_robin(
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def round_robin(
+    variants: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
+) -> dict[str, float]:
+    """Median seconds per call of each variant over :func:`round_robin_samples`' rounds."""
+    samples = round_robin_samples(variants, repeats, warmup)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
