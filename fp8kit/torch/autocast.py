@@ -71,12 +71,6 @@ def _pending_entry(
     return entry
 
 
-def _add_pending(
-    pending: _Pending, state: ScalingState, recipe: DelayedScaling, group: Any, direction: str
-) -> None:
-    _pending_entry(pending, recipe, group, direction).states.setdefault(id(state), state)
-
-
 @dataclass(frozen=True)
 class FP8Settings:
     """What a module call needs from the innermost active autocast.
@@ -413,7 +407,9 @@ def schedule_backward_update(state: ScalingState, recipe: DelayedScaling, group:
         _recorders[-1].append(Enrolment(state, recipe, group, True))
         return
     with _backward_lock:
-        _add_pending(_backward_pending, state, recipe, group, "backward")
+        _pending_entry(_backward_pending, recipe, group, "backward").states.setdefault(
+            id(state), state
+        )
         if _backward_callback_queued:
             return
         _backward_callback_queued = True

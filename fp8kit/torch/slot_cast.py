@@ -74,8 +74,7 @@ def quantize_slot(
             )
         r = cast(x, transpose, dbias)
         if record and not fold:
-            staging = state.slot_views(slot)[1]
-            staging.clamp_(min=r.amax)  # type: ignore[arg-type]
+            state.record_amax(slot, r.amax)  # type: ignore[arg-type]
     q = Float8Tensor(r.data, r.scale_inv, r.amax, r.data_t)
     if observer is not None:
         observer(x, q, plan.recipe, state, slot, fmt)

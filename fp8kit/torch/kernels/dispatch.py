@@ -742,8 +742,8 @@ def small_fp8_gemm_unchecked(
     b_transposed: bool = False,
 ) -> torch.Tensor:
     """:func:`small_fp8_gemm` on the native kernel without its argument checks, for callers
-    that meet its contract by construction (``fp8kit.torch.gemm.fp8_gemm``, the modules' hot
-    path): CPU tensors, the native library loaded. ``b_transposed``: ``b`` holds ``B^T``,
+    that meet its contract by construction (``fp8kit.torch.gemm._dequant_mm``, the modules'
+    hot path): CPU tensors, the native library loaded. ``b_transposed``: ``b`` holds ``B^T``,
     ``(N, K)`` (the native call reads it through its strides: no transposed view is made).
     Inside a ``torch.compile`` trace it is the ``fp8kit::small_fp8_gemm`` op."""
     if torch.compiler.is_compiling():

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from fp8kit.formats import FP8Format
-from fp8kit.torch.kernels._common import CastResult, CastSpec, cast_spec
+from fp8kit.torch.kernels._common import CastResult, CastSpec, cast_spec, empty
 
 try:  # optional dependency
     import triton
@@ -446,13 +446,7 @@ def _launch(
     partials, n_partials = (None, 0)
     if mode != _MODE_GIVEN:
         partials, n_partials = _amax_partials(x, spec, count, sms)
-    # Sizes as separate ints: the form of torch.empty torch parses fastest (docs/performance.md).
-    if out is not None:
-        data = out
-    elif x.dim():
-        data = torch.empty(*x.shape, dtype=spec.fp8_dtype, device=device)
-    else:
-        data = torch.empty(size=(), dtype=spec.fp8_dtype, device=device)
+    data = empty(x.shape, spec.fp8_dtype, device) if out is None else out
     scale_inv = torch.empty(size=(), dtype=_F32, device=device)
     if mode == _MODE_CURRENT:
         amax = amax_t = torch.empty(size=(), dtype=_F32, device=device)
