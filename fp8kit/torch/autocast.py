@@ -85,9 +85,11 @@ class FP8Settings:
         event_key: an integer naming ``(recipe, group)`` (:func:`event_of`), for compiled
             graphs, whose ops take ints rather than Python objects.
         forward_states: under delayed scaling, the states (by id) queued for the forward update
-            event this body's quantizations join: the outermost enabled autocast's entry for
-            ``(recipe, group)``, found once at entry so an enrolment is one dict insertion
-            (:func:`register_forward_state`); None otherwise.
+            event this body's quantizations join: this thread's queue of ``(recipe, group)``,
+            which the outermost enabled autocast runs at its exit, so an enrolment is one dict
+            insertion (:func:`register_forward_state`); None otherwise.
+
+    Autocasts entered with the same arguments on one thread share one settings object.
     """
 
     recipe: Recipe
@@ -174,14 +176,62 @@ class _Frame:
     forward_pending: _Pending = field(default_factory=dict)
 
 
-_local = threading.local()
+_SettingsEntry = tuple[FP8Settings, _PendingUpdate | None]
+
+
+class _ThreadState(threading.local):
+    """This thread's autocast stack, and what its autocasts reuse from one entry to the next
+    (docs/performance.md, "Host time per call").
+
+    ``queues``: the thread's forward queue of each ``(recipe, id(group))``. An outermost enabled
+    autocast takes a queue into its ``forward_pending`` (emptied) when a body under it first
+    enters that pair, and empties it again at its exit, so a queue holds states only while one
+    body runs. ``settings``: the :class:`FP8Settings` of each ``(recipe, id(group), enabled,
+    calibrating)`` with the queue it names. Settings are a function of that key, so a module
+    knows the same settings from one step to the next (:func:`fp8kit.torch.linear.prepare_run`).
+    """
+
+    def __init__(self) -> None:
+        self.stack: list[_Frame] = []
+        self.queues: _Pending = {}
+        self.settings: dict[tuple[Recipe, int, bool, bool], _SettingsEntry] = {}
+
+
+_local = _ThreadState()
 
 
 def _stack() -> list[_Frame]:
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
+    return _local.stack
+
+
+def _settings_for(recipe: Recipe, group: Any, enabled: bool, calibrating: bool) -> _SettingsEntry:
+    """This thread's settings for an active autocast of these arguments, with the forward queue
+    its ``forward_states`` belongs to (None for current scaling: no forward event)."""
+    key = (recipe, id(group), enabled, calibrating)
+    entry = _local.settings.get(key)
+    if entry is None:
+        queue = None
+        if isinstance(recipe, DelayedScaling):
+            queue = _forward_queue(recipe, group)
+        plan, event_key = _event_facts(recipe, group)
+        states = None if queue is None else queue.states
+        settings = FP8Settings(recipe, group, enabled, calibrating, plan, event_key, states)
+        entry = _local.settings[key] = (settings, queue)
+    return entry
+
+
+def _forward_queue(recipe: DelayedScaling, group: Any) -> _PendingUpdate:
+    """This thread's forward queue of ``(recipe, group)`` (created on first use)."""
+    return _pending_entry(_local.queues, recipe, group, "forward")
+
+
+def _join(pending: _Pending, queue: _PendingUpdate) -> None:
+    """Take ``queue`` into ``pending`` (the outermost frame's, in order of first entry), emptied,
+    unless it is there already."""
+    key = (queue.recipe, id(queue.group))
+    if pending.get(key) is not queue:
+        queue.states.clear()  # left by a body that ended without taking it into its event
+        pending[key] = queue
 
 
 def _active_frame() -> _Frame | None:
@@ -233,7 +283,9 @@ def register_forward_state(
         owner = _owner_frame()
         if owner is None:
             return
-        queued = _pending_entry(owner.forward_pending, recipe, group, "forward").states
+        queue = _forward_queue(recipe, group)
+        _join(owner.forward_pending, queue)
+        queued = queue.states
     queued.setdefault(id(state), state)
 
 
@@ -304,29 +356,19 @@ class autocast(contextlib.ContextDecorator):
                 "it around the compiled call instead (its update events run at its exit, outside "
                 "the graph; docs/decisions/0233-torch-compile.md)"
             )
-        stack = _stack()
+        stack = _local.stack
         active = self.enabled or self.calibrating
         owner = _owner_frame(stack)
         owns = active and owner is None
         forward_pending: _Pending = {}
-        forward_states = None
-        if active and isinstance(self.recipe, DelayedScaling):
-            # Every rank enters the same autocasts, so this fixes the same events, in the same
-            # order, on every rank, whichever modules run (needed when events are collectives).
-            pending = forward_pending if owner is None else owner.forward_pending
-            forward_states = _pending_entry(pending, self.recipe, self.group, "forward").states
-        settings = (
-            FP8Settings(
-                self.recipe,
-                self.group,
-                self.enabled,
-                self.calibrating,
-                *_event_facts(self.recipe, self.group),
-                forward_states,
-            )
-            if active
-            else None
-        )
+        settings = None
+        if active:
+            settings, queue = _settings_for(self.recipe, self.group, self.enabled, self.calibrating)
+            if queue is not None:
+                # Every rank enters the same autocasts, so this fixes the same events, in the
+                # same order, on every rank, whichever modules run (needed when events are
+                # collectives).
+                _join(forward_pending if owner is None else owner.forward_pending, queue)
         frame = _Frame(self.enabled, self.recipe, self.group, owns, settings, forward_pending)
         stack.append(frame)
         self._frames.append(frame)
@@ -345,13 +387,19 @@ class autocast(contextlib.ContextDecorator):
             raise RuntimeError("fp8kit.torch.autocast contexts were exited out of order")
         stack.pop()
         torch.backends.mha.set_fastpath_enabled(self._mha_fastpath.pop())
-        if frame.owns_updates and exc_type is None and not _recorders:
-            training = torch.is_grad_enabled()
-            if training or self.calibrating:
-                for pending in frame.forward_pending.values():
-                    pending.run()
-                    if training:
-                        _arm_backward_update(pending.recipe, pending.group)
+        if not frame.owns_updates:
+            return
+        try:
+            if exc_type is None and not _recorders:
+                training = torch.is_grad_enabled()
+                if training or self.calibrating:
+                    for pending in frame.forward_pending.values():
+                        pending.run()
+                        if training:
+                            _arm_backward_update(pending.recipe, pending.group)
+        finally:
+            for pending in frame.forward_pending.values():
+                pending.states.clear()  # the thread's queues hold no module between bodies
 
 
 def fp8_autocast(

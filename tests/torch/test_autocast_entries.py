@@ -1,0 +1,118 @@
+"""What one autocast entry hands to the next on a thread (docs/performance.md, "Host time per
+call"): shared settings, a reused module run, and forward queues that hold nothing between
+bodies. The numbers must be those of a fresh entry each time."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import warnings
+import weakref
+
+import pytest
+import torch
+
+import fp8kit.torch as f8
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
+from fp8kit.torch.autocast import current_settings
+from fp8kit.torch.linear import fp8_run_for
+
+INPUT = f8.FwdSlot.INPUT
+
+
+def _settings(**kwargs: object) -> object:
+    with f8.autocast(**kwargs):  # type: ignore[arg-type]
+        return current_settings()
+
+
+def test_equal_autocast_arguments_give_the_same_settings_on_a_thread() -> None:
+    recipe = DelayedScaling(amax_history_len=5)
+    first = _settings(recipe=recipe)
+    assert _settings(recipe=recipe) is first
+    assert _settings(recipe=DelayedScaling(amax_history_len=5)) is first  # an equal recipe
+    assert _settings(recipe=DelayedScaling(amax_history_len=6)) is not first
+    assert _settings(recipe=recipe, calibrating=True) is not first
+    assert _settings(recipe=recipe, enabled=False) is None
+    assert _settings(recipe=recipe, enabled=False, calibrating=True) is not first
+    current = Float8CurrentScaling()
+    assert _settings(recipe=current) is _settings(recipe=current)
+    assert _settings(recipe=current).forward_states is None  # type: ignore[attr-defined]
+
+    other: list[object] = []
+    thread = threading.Thread(target=lambda: other.append(_settings(recipe=recipe)))
+    thread.start()
+    thread.join()
+    assert other[0] is not first  # each thread queues its own forward states
+    assert other[0].forward_states is not first.forward_states  # type: ignore[attr-defined]
+
+
+def test_a_module_reuses_its_run_while_settings_grad_mode_and_buffers_hold() -> None:
+    layer = f8.Linear(16, 16)
+    x = torch.randn(4, 16)
+    recipe = DelayedScaling(amax_history_len=4)
+
+    def run() -> object:
+        with f8.autocast(recipe=recipe):
+            return fp8_run_for(layer, x, 16, layer.weight)
+
+    first = run()
+    assert run() is first
+    with torch.no_grad():
+        inference = run()
+    assert inference is not first and not inference.training  # type: ignore[attr-defined]
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=4, margin=1)):
+        assert fp8_run_for(layer, x, 16, layer.weight) is not first
+    again = run()
+    assert again is run()
+    layer.fp8_meta.forward.scale = torch.ones(3)  # a replaced buffer: a new run
+    assert run() is not again
+
+
+def test_a_checkpoint_with_another_history_length_is_rebound_under_the_same_recipe() -> None:
+    recipe = DelayedScaling(amax_history_len=4)
+    saved = f8.Linear(16, 16)
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=8)):
+        saved(torch.randn(4, 16))
+    layer = f8.Linear(16, 16)
+    with f8.autocast(recipe=recipe):
+        layer(torch.randn(4, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer.load_state_dict(saved.state_dict())
+    assert layer.fp8_meta.forward.history_len == 8
+    with (
+        pytest.warns(UserWarning, match="from 8 to 4 entries"),
+        f8.autocast(recipe=recipe),
+    ):
+        layer(torch.randn(4, 16))
+    assert layer.fp8_meta.forward.history_len == 4
+
+
+def test_a_body_that_raised_leaves_nothing_for_the_next_event() -> None:
+    recipe = DelayedScaling(amax_history_len=4)
+    raised, other = f8.Linear(16, 16), f8.Linear(16, 16)
+    x = torch.randn(4, 16)
+    with pytest.raises(RuntimeError, match="boom"), f8.autocast(recipe=recipe):
+        raised(x * 9)
+        raise RuntimeError("boom")
+    with f8.autocast(recipe=recipe):
+        other(x)
+    state = raised.fp8_meta.forward
+    # Not in the event of the body after: its amax stays staged, nothing rolled.
+    assert state.update_count[INPUT].item() == 0
+    assert state.amax_history[0, INPUT].item() == pytest.approx(9 * x.abs().max().item())
+    assert other.fp8_meta.forward.update_count[INPUT].item() == 1
+
+
+def test_the_thread_queues_keep_no_state_alive_after_the_body() -> None:
+    recipe = DelayedScaling(amax_history_len=4)
+    layer = f8.Linear(16, 16)
+    with f8.autocast(recipe=recipe):
+        layer(torch.randn(4, 16))
+    forward = weakref.ref(layer.fp8_meta.forward)
+    with pytest.raises(RuntimeError, match="boom"), f8.autocast(recipe=recipe):
+        layer(torch.randn(4, 16))
+        raise RuntimeError("boom")
+    del layer
+    gc.collect()
+    assert forward() is None
