@@ -22,6 +22,7 @@ from fp8kit.torch.inspect import Inspector
 from fp8kit.torch.layers import LayerNormLinear, LayerNormMLP
 from fp8kit.torch.linear import Linear
 from fp8kit.torch.quantization import Float8Tensor, dequantize, quantize, quantize_current
+from fp8kit.torch.recompute import activation_checkpoint
 from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, NonfiniteAmaxWarning, ScalingState
 from fp8kit.torch.transformer import TransformerLayer
 
@@ -43,6 +44,7 @@ __all__ = [
     "NonfiniteAmaxWarning",
     "ScalingState",
     "TransformerLayer",
+    "activation_checkpoint",
     "autocast",
     "convert_model",
     "current_recipe",

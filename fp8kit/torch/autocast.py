@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from fp8kit.torch.state import ScalingState, update_states
 __all__ = [
     "Enrolment",
     "FP8Settings",
+    "active_replay",
     "autocast",
     "current_recipe",
     "current_settings",
@@ -37,6 +38,7 @@ __all__ = [
     "fp8_autocast",
     "is_fp8_enabled",
     "recording_enrolments",
+    "replaying",
 ]
 
 
@@ -88,6 +90,9 @@ class FP8Settings:
             event this body's quantizations join: this thread's queue of ``(recipe, group)``,
             which the outermost enabled autocast runs at its exit, so an enrolment is one dict
             insertion (:func:`register_forward_state`); None otherwise.
+        replay: while an activation checkpoint recomputes (:func:`replaying`), the
+            :class:`~fp8kit.torch.recompute.Replay` whose snapshots the casts read (they record
+            no amax and join no event); None otherwise.
 
     Autocasts entered with the same arguments on one thread share one settings object.
     """
@@ -99,6 +104,7 @@ class FP8Settings:
     plan: RecipePlan
     event_key: int
     forward_states: dict[int, ScalingState] | None = field(default=None, compare=False)
+    replay: Any = field(default=None, compare=False)
 
 
 # (recipe, group) pairs by integer key, both ways (docs/decisions/0233-torch-compile.md); the
@@ -169,7 +175,7 @@ def recording_enrolments() -> Iterator[list[Enrolment]]:
 @dataclass
 class _Frame:
     enabled: bool
-    recipe: Recipe
+    recipe: Recipe | None  # None only in a replay of a forward that ran without FP8
     group: Any
     owns_updates: bool
     settings: FP8Settings | None  # None: neither FP8 nor calibration in this body
@@ -195,6 +201,7 @@ class _ThreadState(threading.local):
         self.stack: list[_Frame] = []
         self.queues: _Pending = {}
         self.settings: dict[tuple[Recipe, int, bool, bool], _SettingsEntry] = {}
+        self.replay: Any = None  # the recomputation running on this thread (replaying)
 
 
 _local = _ThreadState()
@@ -359,12 +366,15 @@ class autocast(contextlib.ContextDecorator):
         stack = _local.stack
         active = self.enabled or self.calibrating
         owner = _owner_frame(stack)
-        owns = active and owner is None
+        replay = _local.replay
+        owns = active and owner is None and replay is None
         forward_pending: _Pending = {}
         settings = None
         if active:
             settings, queue = _settings_for(self.recipe, self.group, self.enabled, self.calibrating)
-            if queue is not None:
+            if replay is not None:  # a recomputation: no enrolment, no event (replaying)
+                settings = replace(settings, forward_states=None, replay=replay)
+            elif queue is not None:
                 # Every rank enters the same autocasts, so this fixes the same events, in the
                 # same order, on every rank, whichever modules run (needed when events are
                 # collectives).
@@ -400,6 +410,47 @@ class autocast(contextlib.ContextDecorator):
         finally:
             for pending in frame.forward_pending.values():
                 pending.states.clear()  # the thread's queues hold no module between bodies
+
+
+def active_replay() -> Any:
+    """The recomputation running on this thread (:func:`replaying`), or None."""
+    return _local.replay
+
+
+@contextlib.contextmanager
+def replaying(settings: FP8Settings | None, replay: Any) -> Iterator[None]:
+    """Run the body as the recomputation of a forward that ran under ``settings`` (None: neither
+    FP8 nor calibration), for :func:`fp8kit.torch.recompute.activation_checkpoint`.
+
+    Module calls in the body get ``settings`` with ``replay`` attached: their casts read the
+    forward's scales from it, record no amax and join no update event. An autocast entered in
+    the body does the same with its own settings and runs no event at its exit.
+    """
+    frame_settings = None
+    if settings is not None:
+        frame_settings = replace(settings, forward_states=None, replay=replay)
+    frame = _Frame(
+        settings is not None and settings.fp8,
+        None if settings is None else settings.recipe,
+        None if settings is None else settings.group,
+        False,
+        frame_settings,
+    )
+    outer_replay = _local.replay
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    _local.replay = replay
+    _local.stack.append(frame)
+    if settings is not None:
+        torch.backends.mha.set_fastpath_enabled(False)  # as autocast.__enter__
+    try:
+        yield
+    finally:
+        stack = _local.stack
+        if not stack or stack[-1] is not frame:
+            raise RuntimeError("fp8kit.torch.autocast contexts were exited out of order")
+        stack.pop()
+        _local.replay = outer_replay
+        torch.backends.mha.set_fastpath_enabled(fastpath)
 
 
 def fp8_autocast(

@@ -55,8 +55,8 @@ def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> 
     """
     recipe = settings.recipe
     training = settings.calibrating or torch.is_grad_enabled()
-    if torch.compiler.is_compiling():
-        return _new_run(meta, settings, training)
+    if torch.compiler.is_compiling() or settings.replay is not None:
+        return _new_run(meta, settings, training)  # not kept: a replay's run holds its copies
     last = cache.get("run")
     if (
         last is not None
@@ -88,6 +88,7 @@ def _new_run(meta: FP8Meta, settings: FP8Settings, training: bool) -> FP8Run:
         settings.fp8,
         settings.event_key,
         settings.forward_states,
+        settings.replay,
     )
 
 

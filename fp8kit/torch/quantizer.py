@@ -18,6 +18,7 @@ from fp8kit.slots import FwdSlot, fwd_slot
 from fp8kit.torch.autocast import register_forward_state, schedule_backward_update
 from fp8kit.torch.plan import RecipePlan
 from fp8kit.torch.quantization import Float8Tensor, nan_ignoring_amax
+from fp8kit.torch.recompute import Replay, captures, note_cast
 from fp8kit.torch.slot_cast import quantize_slot
 from fp8kit.torch.slot_ops import quantize_traced, record_traced
 from fp8kit.torch.state import FP8Meta, ScalingState
@@ -35,6 +36,8 @@ class FP8Run:
     ``event_key``: the autocast's integer key of ``(recipe, group)`` (the compiled op's handle).
     ``forward_states``: the autocast's :attr:`~fp8kit.torch.autocast.FP8Settings.forward_states`
     (where forward enrolments go; None: look the queue up at each enrolment).
+    ``replay``: set while an activation checkpoint recomputes: forward casts read the forward's
+    scales from it, and nothing is recorded or enrolled (:mod:`fp8kit.torch.recompute`).
     """
 
     plan: RecipePlan
@@ -44,6 +47,7 @@ class FP8Run:
     fp8: bool = True
     event_key: int = 0
     forward_states: dict[int, ScalingState] | None = None
+    replay: Replay | None = None
 
     @property
     def recipe(self) -> Recipe:
@@ -78,12 +82,16 @@ class FP8Run:
         self, x: torch.Tensor, slot: int, record: bool = True, transpose: bool = False
     ) -> Float8Tensor:
         """Quantize an activation or weight into forward ``slot`` (see :func:`quantize_slot`)."""
-        enrol_state = record and self.plan.delayed and self.training
         state = self.meta.forward
+        if self.replay is not None:
+            return self.replay.quantize(x, self.plan, state, slot, transpose)
+        enrol_state = record and self.plan.delayed and self.training
         if torch.compiler.is_compiling():
             return quantize_traced(
                 self.meta, self.event_key, x, slot, False, record, transpose, False, enrol_state
             )[0]
+        if captures and self.plan.delayed:  # inside an activation_checkpoint's forward
+            note_cast(state, self.plan.first_step_current)
         q, _ = quantize_slot(x, self.plan, state, slot, False, record, transpose)
         if enrol_state:
             register_forward_state(state, self.plan.recipe, self.group, self.forward_states)  # type: ignore[arg-type]
@@ -91,6 +99,8 @@ class FP8Run:
 
     def record_forward(self, x: torch.Tensor, slot: int) -> None:
         """Fold ``max |x|`` (NaN ignored) into forward ``slot``'s staging entry, no cast."""
+        if self.replay is not None:  # a recomputation records nothing
+            return
         meta, enrol_state = self.meta, self.plan.delayed and self.training
         if torch.compiler.is_compiling():
             record_traced(meta, self.event_key, x.detach(), slot, enrol_state)

@@ -228,3 +228,16 @@ def test_real_cuda_graphs_train_like_eager() -> None:
     for (k, a), b in zip(eager.state_dict().items(), graphed.state_dict().values(), strict=True):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b), k
+
+
+def test_a_graphed_module_inside_an_activation_checkpoint_is_refused(
+    emulated_graphs: None,
+) -> None:
+    """A replay reads the live scales: it cannot recompute the forward's FP8 values."""
+    graphed = _block()
+    f8.make_graphed_callables(graphed, (torch.randn(8, 32),), fp8_enabled=True, fp8_recipe=RECIPE)
+    with (
+        pytest.raises(RuntimeError, match="CUDA-graphed FP8 module ran inside"),
+        f8.autocast(recipe=RECIPE),
+    ):
+        f8.activation_checkpoint(graphed, torch.randn(8, 32, requires_grad=True))

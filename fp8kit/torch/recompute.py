@@ -1,0 +1,216 @@
+"""Activation checkpointing of FP8 modules: :func:`activation_checkpoint` (docs/semantics.md
+section 11).
+
+``torch.utils.checkpoint`` runs a function again in backward to rebuild the activations it did
+not keep. By then ``f8.autocast`` has exited and the forward update event has changed the scales,
+so the recomputation would not give the forward's FP8 values. :func:`activation_checkpoint`
+keeps, for each delayed-scaling cast of the forward, the scale (and update count) it read, and
+recomputes under the forward's autocast settings with those scales. Its casts record no amax and
+join no update event. The recomputed FP8 tensors are bit for bit those of the forward, and the
+scaling state moves exactly as without checkpointing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+
+from fp8kit.torch.autocast import FP8Settings, active_replay, current_settings, replaying
+from fp8kit.torch.kernels import cast_fp8, cast_fp8_current
+from fp8kit.torch.plan import RecipePlan
+from fp8kit.torch.quantization import Float8Tensor
+from fp8kit.torch.state import ScalingState
+
+__all__ = [
+    "ForwardCasts",
+    "Replay",
+    "activation_checkpoint",
+    "captures",
+    "check_not_checkpointed",
+    "note_cast",
+]
+
+# Snapshot of one cast: (the state, float32 scale (n,), int64 update count (n,) or None).
+_Snapshot = tuple[ScalingState, torch.Tensor, torch.Tensor | None]
+
+
+class ForwardCasts:
+    """The delayed-scaling casts of one checkpointed forward, per state in call order: what each
+    read of the state's scale (and update count, with ``first_step_scaling="current"``)."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.by_state: dict[int, list[_Snapshot]] = {}
+
+    def add(self, snapshot: _Snapshot) -> None:
+        self.by_state.setdefault(id(snapshot[0]), []).append(snapshot)
+
+
+# The forward captures active now, in any thread (each notes only its own thread's casts). A
+# list, so the hot path's test is one truth test of a module attribute.
+captures: list[ForwardCasts] = []
+
+
+def note_cast(state: ScalingState, first_step: bool) -> None:
+    """Before a forward cast of ``state`` on this thread: keep copies of its scales (and update
+    counts when ``first_step``, the recipe's ``first_step_scaling="current"``) in every capture
+    of this thread. One copy serves them all."""
+    me = threading.get_ident()
+    snapshot = None
+    for capture in captures:
+        if capture.thread == me:
+            if snapshot is None:
+                count = state.update_count.clone() if first_step else None
+                snapshot = (state, state.scale.clone(), count)
+            capture.add(snapshot)
+
+
+def check_not_checkpointed(what: str) -> None:
+    """Raise unless this thread is outside every :func:`activation_checkpoint` forward and
+    recomputation: ``what`` (a compiled or CUDA-graphed FP8 cast) reads the live scales, so its
+    recomputation would not give the forward's FP8 values."""
+    me = threading.get_ident()
+    if active_replay() is not None or any(capture.thread == me for capture in captures):
+        raise RuntimeError(
+            f"{what} ran inside f8.activation_checkpoint: its casts read the live scales, so the "
+            "recomputation could not replay the forward's. Checkpoint eager FP8 modules, or "
+            "checkpoint inside the compiled or graphed function instead"
+        )
+
+
+def _note_replayed(snapshot: _Snapshot) -> None:
+    """A replayed cast read ``snapshot``: a capture of this thread (a checkpoint nested in the
+    one replaying) keeps the same copies."""
+    me = threading.get_ident()
+    for capture in captures:
+        if capture.thread == me:
+            capture.add(snapshot)
+
+
+class Replay:
+    """The casts of a recomputation: each delayed-scaling cast takes the next snapshot of its
+    state from the forward's :class:`ForwardCasts`. Re-entering starts from the first again
+    (a second backward through a retained graph recomputes again)."""
+
+    def __init__(self, forward: ForwardCasts) -> None:
+        self._forward = forward
+        self._next: dict[int, int] = {}
+
+    def restart(self) -> None:
+        self._next = {}
+
+    def quantize(
+        self, x: torch.Tensor, plan: RecipePlan, state: ScalingState, slot: int, transpose: bool
+    ) -> Float8Tensor:
+        """Forward ``slot`` of ``state``: ``x`` cast as the forward cast it (no amax recorded)."""
+        if not plan.delayed:  # current scaling: the scale comes from x alone
+            r = cast_fp8_current(
+                x, plan.forward_dtype, power_2_scale=plan.power_2_scale, transpose=transpose
+            )
+            return Float8Tensor(r.data, r.scale_inv, r.amax, r.data_t)
+        taken = self._next.get(id(state), 0)
+        snapshots = self._forward.by_state.get(id(state), [])
+        if taken >= len(snapshots):
+            raise RuntimeError(
+                f"activation_checkpoint: the recomputation casts {state.label or 'a state'} "
+                f"{taken + 1} time(s), its forward {len(snapshots)}: the checkpointed function "
+                "must run the same FP8 modules with the same arguments each time"
+            )
+        self._next[id(state)] = taken + 1
+        _, scale, count = snapshots[taken]
+        if captures:
+            _note_replayed(snapshots[taken])
+        r = cast_fp8(
+            x,
+            scale[slot : slot + 1],
+            plan.forward_dtype,
+            transpose=transpose,
+            first_step_current=None if count is None else count[slot : slot + 1],
+        )
+        return Float8Tensor(r.data, r.scale_inv, r.amax, r.data_t)
+
+
+class _Capturing:
+    """The forward context: ``forward`` notes the casts of this thread while it is entered."""
+
+    def __init__(self, forward: ForwardCasts) -> None:
+        self._forward = forward
+
+    def __enter__(self) -> None:
+        captures.append(self._forward)
+
+    def __exit__(self, *exc: object) -> None:
+        captures.remove(self._forward)
+
+
+class _Recomputing:
+    """The recomputation context: the forward's autocast settings, casts from ``replay``."""
+
+    def __init__(self, settings: FP8Settings | None, replay: Replay) -> None:
+        self._settings, self._replay = settings, replay
+        self._active: Any = None
+
+    def __enter__(self) -> None:
+        self._replay.restart()
+        self._active = replaying(self._settings, self._replay)
+        self._active.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        active, self._active = self._active, None
+        active.__exit__(*exc)
+
+
+def activation_checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool = False,
+    preserve_rng_state: bool = True,
+    determinism_check: str = "default",
+    **kwargs: Any,
+) -> Any:
+    """``function(*args, **kwargs)`` whose activations are recomputed in backward, FP8-aware
+    (Transformer Engine's ``te.checkpoint``; fp8kit's ``checkpoint`` module holds the state-dict
+    helpers).
+
+    Call it where ``function`` would run: inside ``f8.autocast`` to run it in FP8, or outside with
+    an autocast inside ``function``. The recomputation runs under the settings the forward had
+    (recipe, group, enabled, calibrating), reads the scales each forward cast read, records no
+    amax and joins no update event, so the recomputed FP8 values equal the forward's bit for bit.
+    ``function`` must run the same FP8 modules in the same order each time (as
+    ``torch.utils.checkpoint`` already requires of its saved tensors).
+
+    Args:
+        function: the region to recompute; args / kwargs are passed to it.
+        use_reentrant: only False (PyTorch's recommended checkpoint; the reentrant one cannot
+            run code around its recomputation).
+        preserve_rng_state, determinism_check: as ``torch.utils.checkpoint.checkpoint``.
+
+    Not inside a function that ``torch.compile`` traces, and not around CUDA-graphed or
+    compiled FP8 modules (their casts read the live scales).
+    """
+    if use_reentrant is not False:
+        raise ValueError(
+            f"use_reentrant must be False, got {use_reentrant!r}: fp8kit recomputes FP8 modules "
+            "with the non-reentrant torch.utils.checkpoint only"
+        )
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "activation_checkpoint was called inside a function that torch.compile is tracing: "
+            "call it in eager code"
+        )
+    settings = current_settings()
+    forward = ForwardCasts()
+    contexts = (_Capturing(forward), _Recomputing(settings, Replay(forward)))
+    return torch.utils.checkpoint.checkpoint(
+        function,
+        *args,
+        use_reentrant=False,
+        context_fn=lambda: contexts,
+        preserve_rng_state=preserve_rng_state,
+        determinism_check=determinism_check,
+        **kwargs,
+    )

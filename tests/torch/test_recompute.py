@@ -1,0 +1,286 @@
+"""``f8.activation_checkpoint`` (docs/semantics.md section 11): a checkpointed region gives the
+outputs, gradients and scaling state of the same region run without checkpointing, bit for bit,
+while the scales change from step to step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import fp8kit.torch as f8
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
+from fp8kit.torch.autocast import current_settings, replaying
+from fp8kit.torch.recompute import ForwardCasts, Replay, captures, note_cast
+from fp8kit.torch.slot_ops import quantize_traced, record_traced
+
+RECIPES = {
+    "delayed": DelayedScaling(amax_history_len=4),
+    "delayed-first-step-current": DelayedScaling(amax_history_len=3, first_step_scaling="current"),
+    "delayed-margin-interval-pow2": DelayedScaling(
+        amax_history_len=2, margin=1, interval=2, amax_compute_algo="most_recent"
+    ),
+    "current": Float8CurrentScaling(),
+}
+
+
+def _model(seed: int = 1) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        f8.LayerNormLinear(32, 64),
+        torch.nn.GELU(),
+        f8.Linear(64, 32),
+        f8.LayerNormMLP(32, 48),
+    )
+
+
+def _inputs(step: int) -> torch.Tensor:
+    """Inputs whose amax changes every step, so every update event changes the scales."""
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(16, 32, generator=g) * (1 + 3 * step)
+    x[0, 0] = 0.0
+    x[1, 1] = 1e-40  # a float32 subnormal
+    return x
+
+
+def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    grads = {f"{k}.grad": p.grad for k, p in model.named_parameters() if p.grad is not None}
+    return {**state, **grads}
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def _train(
+    step_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    steps: int = 3,
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    model = _model()
+    grads = []
+    for step in range(steps):
+        x = _inputs(step).requires_grad_()
+        y = step_fn(model, x)
+        (y * y).sum().backward()
+        grads.append(x.grad)
+    return grads, _tensors(model)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_a_checkpointed_region_trains_bit_for_bit_like_the_plain_one(name: str) -> None:
+    recipe = RECIPES[name]
+
+    def plain(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with f8.autocast(recipe=recipe):
+            return model(x)
+
+    def checkpointed(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with f8.autocast(recipe=recipe):
+            return f8.activation_checkpoint(model, x)
+
+    plain_grads, plain_state = _train(plain)
+    ckpt_grads, ckpt_state = _train(checkpointed)
+    for a, b in zip(plain_grads, ckpt_grads, strict=True):
+        assert torch.equal(a, b)
+    _assert_same(plain_state, ckpt_state)
+
+
+def test_a_transformer_layer_with_dropout_trains_bit_for_bit_checkpointed() -> None:
+    """Attention, both MLP GEMMs and dropout (its RNG state is restored for the recomputation)."""
+    recipe = RECIPES["delayed"]
+
+    def train(checkpointed: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(3)
+        layer = f8.TransformerLayer(32, 64, 4, hidden_dropout=0.1, attention_dropout=0.1)
+        out = {}
+        for step in range(3):
+            torch.manual_seed(10 + step)
+            x = (torch.randn(8, 2, 32) * (1 + step)).requires_grad_()
+            with f8.autocast(recipe=recipe):
+                y = f8.activation_checkpoint(layer, x) if checkpointed else layer(x)
+            (y * y).sum().backward()
+            out[f"x.grad.{step}"] = x.grad
+        return {**out, **_tensors(layer)}
+
+    _assert_same(train(False), train(True))
+
+
+def test_an_autocast_inside_the_checkpointed_function_is_replayed_too() -> None:
+    recipe = RECIPES["delayed"]
+
+    def region(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with f8.autocast(recipe=recipe):
+            return model(x)
+
+    plain = _train(region)
+    ckpt = _train(lambda model, x: f8.activation_checkpoint(region, model, x))
+    for a, b in zip(plain[0], ckpt[0], strict=True):
+        assert torch.equal(a, b)
+    _assert_same(plain[1], ckpt[1])
+
+
+def test_nested_checkpoints_replay_the_outer_forward_scales() -> None:
+    recipe = RECIPES["delayed"]
+
+    def plain(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with f8.autocast(recipe=recipe):
+            return model[3](model[2](model[1](model[0](x))))
+
+    def nested(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        def inner(h: torch.Tensor) -> torch.Tensor:
+            return model[2](model[1](h))
+
+        def outer(h: torch.Tensor) -> torch.Tensor:
+            return model[3](f8.activation_checkpoint(inner, model[0](h)))
+
+        with f8.autocast(recipe=recipe):
+            return f8.activation_checkpoint(outer, x)
+
+    a, b = _train(plain), _train(nested)
+    for ga, gb in zip(a[0], b[0], strict=True):
+        assert torch.equal(ga, gb)
+    _assert_same(a[1], b[1])
+
+
+def test_the_recomputation_records_no_amax_and_runs_no_event() -> None:
+    model = _model()
+    recipe = RECIPES["delayed"]
+    for step in range(2):  # the second step's forward runs with scales from the first event
+        with f8.autocast(recipe=recipe):
+            y = f8.activation_checkpoint(model, _inputs(step).requires_grad_())
+        forward = {
+            name: t.clone()
+            for name, t in model.state_dict().items()
+            if ".fp8_meta.forward." in name and isinstance(t, torch.Tensor)
+        }
+        # The backward runs inside another autocast body: it must not join that body's event.
+        with f8.autocast(recipe=recipe):
+            y.sum().backward()
+        after = model.state_dict()
+        for name, before in forward.items():
+            assert torch.equal(after[name], before), name
+
+
+def test_a_second_backward_through_a_retained_graph_recomputes_the_same() -> None:
+    recipe = RECIPES["delayed"]
+    results = []
+    for checkpointed in (False, True):
+        model = _model()
+        x = _inputs(0).requires_grad_()
+        with f8.autocast(recipe=recipe):  # one step first, so the scales are not all 1
+            model(x).sum().backward()
+        x.grad = None
+        with f8.autocast(recipe=recipe):
+            y = f8.activation_checkpoint(model, x) if checkpointed else model(x)
+        loss = (y * y).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        results.append((x.grad, _tensors(model)))
+    assert torch.equal(results[0][0], results[1][0])
+    _assert_same(results[0][1], results[1][1])
+
+
+def test_a_region_run_without_fp8_is_recomputed_without_fp8() -> None:
+    model = _model()
+    x = _inputs(1).requires_grad_()
+    ref = _model()
+    x_ref = x.detach().clone().requires_grad_()
+    y = f8.activation_checkpoint(model, x)  # no autocast: plain PyTorch
+    with f8.autocast(recipe=RECIPES["delayed"]):  # backward inside an FP8 body: still plain
+        y.sum().backward()
+    ref(x_ref).sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+    assert all(int(t.abs().sum()) == 0 for n, t in model.state_dict().items() if "amax" in n)
+
+
+def test_calibration_is_recomputed_without_recording_again() -> None:
+    recipe = RECIPES["delayed"]
+
+    def step(checkpoint: bool) -> dict[str, Any]:
+        model = _model()
+        x = _inputs(2).requires_grad_()
+        with f8.autocast(enabled=False, calibrating=True, recipe=recipe):
+            y = f8.activation_checkpoint(model, x) if checkpoint else model(x)
+        y.sum().backward()
+        return {"x.grad": x.grad, **_tensors(model)}
+
+    _assert_same(step(False), step(True))
+
+
+def test_use_reentrant_true_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="use_reentrant must be False, got True"):
+        f8.activation_checkpoint(torch.nn.Identity(), torch.ones(1), use_reentrant=True)
+
+
+def test_a_recomputation_that_casts_other_modules_is_named() -> None:
+    first, other = f8.Linear(16, 16), f8.Linear(16, 16)
+    calls = []
+
+    def changing(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return (first if len(calls) == 1 else other)(x)  # the recomputation takes another path
+
+    x = torch.randn(4, 16, requires_grad=True)
+    with f8.autocast(recipe=RECIPES["delayed"]):
+        y = f8.activation_checkpoint(changing, x, determinism_check="none")
+    with pytest.raises(RuntimeError, match="activation_checkpoint: the recomputation casts"):
+        y.sum().backward()
+
+
+def test_a_checkpoint_entered_during_a_replay_keeps_what_the_replay_read() -> None:
+    """Whichever checkpoint frame PyTorch later recomputes from, a capture made while a replay
+    runs holds the replayed (forward-time) scales, not the live ones."""
+    recipe = RECIPES["delayed"]
+    layer = f8.Linear(16, 16)
+    x = torch.randn(4, 16)
+    with f8.autocast(recipe=recipe):
+        settings = current_settings()
+    forward = ForwardCasts()
+    captures.append(forward)
+    try:
+        note_cast(layer.fp8_meta.forward, first_step=False)
+    finally:
+        captures.remove(forward)
+    kept = forward.by_state[id(layer.fp8_meta.forward)][0]
+    layer.fp8_meta.forward.scale.fill_(2.0)  # the live scale moves on after the forward
+    nested = ForwardCasts()
+    replay = Replay(forward)
+    captures.append(nested)
+    try:
+        with replaying(settings, replay):
+            q = replay.quantize(x, settings.plan, layer.fp8_meta.forward, 0, False)  # type: ignore[union-attr]
+    finally:
+        captures.remove(nested)
+    assert nested.by_state[id(layer.fp8_meta.forward)] == [kept]
+    assert torch.equal(q.scale_inv, torch.tensor(1.0))  # the kept scale 1, not the live 2
+
+
+def test_compiled_fp8_casts_inside_a_checkpoint_are_refused() -> None:
+    """A compiled module's casts are custom ops that read the live scales: inside a checkpointed
+    forward or its recomputation they raise instead of recomputing other FP8 values."""
+    layer = f8.Linear(16, 16)
+    x = torch.randn(4, 16)
+    with f8.autocast(recipe=RECIPES["delayed"]):
+        event_key = current_settings().event_key  # type: ignore[union-attr]
+    forward = ForwardCasts()
+    captures.append(forward)
+    try:
+        with pytest.raises(RuntimeError, match="compile'd FP8 module ran inside"):
+            quantize_traced(layer.fp8_meta, event_key, x, 0, False, True, False, False, False)
+        with pytest.raises(RuntimeError, match="compile'd FP8 module ran inside"):
+            record_traced(layer.fp8_meta, event_key, x, 0, False)
+    finally:
+        captures.remove(forward)
+    with (
+        replaying(None, Replay(forward)),
+        pytest.raises(RuntimeError, match="compile'd FP8 module ran inside"),
+    ):
+        quantize_traced(layer.fp8_meta, event_key, x, 0, False, True, False, False, False)
+    # Outside any checkpoint the op runs (the compiled path's own tests cover its numbers).
+    q, _ = quantize_traced(layer.fp8_meta, event_key, x, 0, False, True, False, False, False)
+    assert q.data.dtype == torch.float8_e4m3fn
