@@ -110,6 +110,31 @@ def test_a_transformer_layer_with_dropout_trains_bit_for_bit_checkpointed() -> N
     _assert_same(train(False), train(True))
 
 
+def test_microbatches_with_a_cached_fp8_weight_train_bit_for_bit_checkpointed() -> None:
+    """``is_first_microbatch``: the first microbatch casts (and caches) the weight, the others
+    reuse it; a recomputation recasts it with the forward's scale, so the cache keeps its bits."""
+    recipe = RECIPES["delayed"]
+
+    def train(checkpointed: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(3)
+        layer = f8.Linear(32, 32)
+        out = {}
+        for step in range(3):
+            for micro in range(2):
+                x = (_inputs(2 * step + micro) * (1 + micro)).requires_grad_()
+                first = micro == 0
+                with f8.autocast(recipe=recipe):
+                    if checkpointed:
+                        y = f8.activation_checkpoint(layer, x, is_first_microbatch=first)
+                    else:
+                        y = layer(x, is_first_microbatch=first)
+                (y * y).sum().backward()
+                out[f"x.grad.{step}.{micro}"] = x.grad
+        return {**out, **_tensors(layer)}
+
+    _assert_same(train(False), train(True))
+
+
 def test_an_autocast_inside_the_checkpointed_function_is_replayed_too() -> None:
     recipe = RECIPES["delayed"]
 
