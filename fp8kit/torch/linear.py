@@ -20,6 +20,7 @@ from fp8kit.torch.autocast import FP8Settings, current_settings
 from fp8kit.torch.gemm import GEMM_ALIGNMENT, cublaslt_fuses_bias, fp8_gemm_bias_t, padded_mm
 from fp8kit.torch.quantization import Float8Tensor, check_high_precision
 from fp8kit.torch.quantizer import FP8Run
+from fp8kit.torch.recompute import warn_if_recomputed_without_fp8
 from fp8kit.torch.state import (
     BwdSlot,
     FP8Meta,
@@ -133,6 +134,7 @@ def fp8_run_for(
     """
     settings = current_settings()
     if settings is None:
+        warn_if_recomputed_without_fp8(module, bool(module._run_cache))
         return None
     check_high_precision(x, "x")
     if x.shape[-1:] != (in_features,):

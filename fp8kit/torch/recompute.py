@@ -13,6 +13,7 @@ scaling state moves exactly as without checkpointing.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = [
     "captures",
     "check_not_checkpointed",
     "note_cast",
+    "warn_if_recomputed_without_fp8",
 ]
 
 # Snapshot of one cast: (the state, float32 scale (n,), int64 update count (n,) or None).
@@ -67,6 +69,21 @@ def note_cast(state: ScalingState, first_step: bool) -> None:
                 count = state.update_count.clone() if first_step else None
                 snapshot = (state, state.scale.clone(), count)
             capture.add(snapshot)
+
+
+def warn_if_recomputed_without_fp8(module: torch.nn.Module, ran_in_fp8: bool) -> None:
+    """Warn when an FP8 module that has run under an autocast (``ran_in_fp8``) now runs without
+    one, with grad enabled, inside a backward pass: the recomputation of a plain (reentrant)
+    ``torch.utils.checkpoint``, which runs it in high precision instead of the forward's FP8."""
+    if ran_in_fp8 and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+        warnings.warn(
+            f"{type(module).__name__} ran without f8.autocast inside a backward pass: "
+            "torch.utils.checkpoint recomputes it in high precision, not in the FP8 of its "
+            "forward. Checkpoint FP8 modules with f8.activation_checkpoint "
+            "(docs/semantics.md section 11)",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def check_not_checkpointed(what: str) -> None:

@@ -4,11 +4,13 @@ while the scales change from step to step."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
@@ -309,3 +311,20 @@ def test_compiled_fp8_casts_inside_a_checkpoint_are_refused() -> None:
     # Outside any checkpoint the op runs (the compiled path's own tests cover its numbers).
     q, _ = quantize_traced(layer.fp8_meta, event_key, x, 0, False, True, False, False, False)
     assert q.data.dtype == torch.float8_e4m3fn
+
+
+def test_a_plain_reentrant_checkpoint_of_fp8_modules_warns() -> None:
+    """torch.utils.checkpoint(use_reentrant=True) recomputes after the autocast exited, in high
+    precision: the modules say so, naming activation_checkpoint."""
+    layer = f8.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # never in FP8 yet, or outside backward: no warning
+        torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True).sum().backward()
+        with f8.autocast(recipe=RECIPES["delayed"]):
+            layer(x).sum().backward()
+        layer(x).sum().backward()  # high precision after FP8 steps, outside backward
+    with f8.autocast(recipe=RECIPES["delayed"]):
+        y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True)
+    with pytest.warns(UserWarning, match="high precision.*f8.activation_checkpoint"):
+        y.sum().backward()
