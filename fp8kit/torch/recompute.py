@@ -52,8 +52,8 @@ class ForwardCasts:
         self.by_state.setdefault(id(snapshot[0]), []).append(snapshot)
 
 
-# The forward captures active now, in any thread (each notes only its own thread's casts). A
-# list, so the hot path's test is one truth test of a module attribute.
+# The forward captures active now, in any thread (each notes only its own thread's casts). One
+# list object for the life of the process: importers test its truth on the hot path.
 captures: list[ForwardCasts] = []
 
 
