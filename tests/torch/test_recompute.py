@@ -4,6 +4,7 @@ while the scales change from step to step."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -48,8 +49,14 @@ def _inputs(step: int) -> torch.Tensor:
 
 
 def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """State and gradients by name (names as in ``state_dict``, which drops the prefix of
+    PyTorch's checkpoint wrapper)."""
     state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    grads = {f"{k}.grad": p.grad for k, p in model.named_parameters() if p.grad is not None}
+    grads = {
+        f"{k.replace('_checkpoint_wrapped_module.', '')}.grad": p.grad
+        for k, p in model.named_parameters()
+        if p.grad is not None
+    }
     return {**state, **grads}
 
 
@@ -328,3 +335,39 @@ def test_a_plain_reentrant_checkpoint_of_fp8_modules_warns() -> None:
         y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True)
     with pytest.warns(UserWarning, match="high precision.*f8.activation_checkpoint"):
         y.sum().backward()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_pytorch_checkpoint_wrapper_takes_it_as_its_checkpoint_fn() -> None:
+    """FSDP users wrap blocks with ``apply_activation_checkpointing``; ``checkpoint_fn`` routes
+    the wrapper through activation_checkpoint."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    recipe = RECIPES["delayed"]
+
+    def plain(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with f8.autocast(recipe=recipe):
+            return model(x)
+
+    wrapped: list[torch.nn.Module] = []
+
+    def wrapped_step(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if not wrapped:
+            apply_activation_checkpointing(
+                model,
+                checkpoint_wrapper_fn=functools.partial(
+                    checkpoint_wrapper, checkpoint_fn=f8.activation_checkpoint
+                ),
+                check_fn=lambda m: isinstance(m, (f8.Linear, f8.LayerNormMLP)),
+            )
+            wrapped.append(model)
+        with f8.autocast(recipe=recipe):
+            return model(x)
+
+    a, b = _train(plain), _train(wrapped_step)
+    for ga, gb in zip(a[0], b[0], strict=True):
+        assert torch.equal(ga, gb)
+    _assert_same(a[1], b[1])  # the wrapper's state_dict keys are the plain model's
