@@ -263,3 +263,33 @@ def test_fit_with_optimizer_gradient_accumulation_takes_the_max(rng) -> None:
     np.testing.assert_array_equal(count_b, [2, 0])
     np.testing.assert_array_equal(hist_f[2:, 0], np.abs(x).reshape(2, -1).max(1))
     assert micro == 0
+
+
+def test_recompute_grad_trains_bit_for_bit_like_the_plain_step(rng) -> None:
+    """``tf.recompute_grad`` runs the forward again inside the same step, before its update
+    event: the scales have not moved and a second amax record is a max of equal values, so the
+    step needs nothing like torch's activation_checkpoint (docs/keras.md)."""
+    xs = [random_fp8_friendly(rng, (8, 12), 2.0**k) for k in range(3)]
+    ys = [random_fp8_friendly(rng, (8, 4)) for _ in range(3)]
+
+    def train(remat: bool) -> list[np.ndarray]:
+        model, opt = mlp(seed=1), keras.optimizers.SGD(0.1)
+
+        def forward(x):
+            return model(x, training=True)
+
+        run = tf.recompute_grad(forward) if remat else forward
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((run(x) - y) ** 2)
+            grads = tape.gradient(loss, model.trainable_weights)
+            opt.apply(grads, model.trainable_weights)
+
+        for x, y in zip(xs, ys, strict=True):
+            step(tf.constant(x), tf.constant(y))
+        return [w.numpy() for w in model.weights]  # kernels, biases and FP8 state
+
+    for a, b in zip(train(False), train(True), strict=True):
+        np.testing.assert_array_equal(a, b)
