@@ -71,12 +71,10 @@ def _kernels_only_step(fp8: f8.Linear, x: torch.Tensor) -> Callable[[], None]:
     return step
 
 
-def step_times(size: int, repeats: int, calls: int = 20) -> dict[str, list[float]]:
-    """Microseconds per training step of ``nn.Linear``, ``f8.Linear`` and the kernels-only
-    floor (size x size), one value per round (interleaved rounds of ``calls`` steps each)."""
-    torch.manual_seed(0)
-    x = torch.randn(size, size, requires_grad=True)
-    base, fp8 = torch.nn.Linear(size, size), f8.Linear(size, size)
+def _training_loops(
+    base: torch.nn.Module, fp8: torch.nn.Module, x: torch.Tensor, calls: int
+) -> dict[str, Callable[[], None]]:
+    """``calls`` training steps of ``base`` (plain) and of ``fp8`` (in an autocast per step)."""
     recipe = DelayedScaling(amax_history_len=16)
 
     def plain() -> None:
@@ -89,15 +87,30 @@ def step_times(size: int, repeats: int, calls: int = 20) -> dict[str, list[float
                 y = fp8(x)
             y.sum().backward()
 
+    return {"nn.Linear": plain, "fp8kit delayed": fp8_step}
+
+
+def _us_per_step(
+    variants: dict[str, Callable[[], None]], repeats: int, calls: int
+) -> dict[str, list[float]]:
+    samples = round_robin_samples(variants, repeats, warmup=2)
+    return {name: [s / calls * 1e6 for s in values] for name, values in samples.items()}
+
+
+def step_times(size: int, repeats: int, calls: int = 20) -> dict[str, list[float]]:
+    """Microseconds per training step of ``nn.Linear``, ``f8.Linear`` and the kernels-only
+    floor (size x size), one value per round (interleaved rounds of ``calls`` steps each)."""
+    torch.manual_seed(0)
+    x = torch.randn(size, size, requires_grad=True)
+    base, fp8 = torch.nn.Linear(size, size), f8.Linear(size, size)
+    variants = _training_loops(base, fp8, x, calls)
     floor_step = _kernels_only_step(fp8, x)
 
     def floor() -> None:
         for _ in range(calls):
             floor_step()
 
-    variants = {"nn.Linear": plain, "fp8kit delayed": fp8_step, "kernels only": floor}
-    samples = round_robin_samples(variants, repeats, warmup=2)
-    return {name: [s / calls * 1e6 for s in values] for name, values in samples.items()}
+    return _us_per_step({**variants, "kernels only": floor}, repeats, calls)
 
 
 STACK_LAYERS = 8
@@ -111,20 +124,7 @@ def stack_step_times(repeats: int, calls: int = 5) -> dict[str, list[float]]:
     x = torch.randn(32, 32, requires_grad=True)
     base = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(STACK_LAYERS)])
     fp8 = torch.nn.Sequential(*[f8.Linear(32, 32) for _ in range(STACK_LAYERS)])
-    recipe = DelayedScaling(amax_history_len=16)
-
-    def plain() -> None:
-        for _ in range(calls):
-            base(x).sum().backward()
-
-    def fp8_step() -> None:
-        for _ in range(calls):
-            with f8.autocast(recipe=recipe):
-                y = fp8(x)
-            y.sum().backward()
-
-    samples = round_robin_samples({"nn.Linear": plain, "fp8kit delayed": fp8_step}, repeats, 2)
-    return {name: [s / calls * 1e6 for s in values] for name, values in samples.items()}
+    return _us_per_step(_training_loops(base, fp8, x, calls), repeats, calls)
 
 
 def _table(times: dict[str, dict[str, float]]) -> str:
