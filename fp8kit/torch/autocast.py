@@ -373,7 +373,7 @@ class autocast(contextlib.ContextDecorator):
         if active:
             settings, queue = _settings_for(self.recipe, self.group, self.enabled, self.calibrating)
             if replay is not None:  # a recomputation: no enrolment, no event (replaying)
-                settings = replace(settings, forward_states=None, replay=replay)
+                settings = _replayed(settings, replay)
             elif queue is not None:
                 # Every rank enters the same autocasts, so this fixes the same events, in the
                 # same order, on every rank, whichever modules run (needed when events are
@@ -392,10 +392,7 @@ class autocast(contextlib.ContextDecorator):
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         frame = self._frames.pop()
-        stack = _stack()
-        if not stack or stack[-1] is not frame:
-            raise RuntimeError("fp8kit.torch.autocast contexts were exited out of order")
-        stack.pop()
+        _pop_frame(frame)
         torch.backends.mha.set_fastpath_enabled(self._mha_fastpath.pop())
         if not frame.owns_updates:
             return
@@ -412,6 +409,19 @@ class autocast(contextlib.ContextDecorator):
                 pending.states.clear()  # the thread's queues hold no module between bodies
 
 
+def _pop_frame(frame: _Frame) -> None:
+    """Remove ``frame``, which must be the top of this thread's stack."""
+    stack = _local.stack
+    if not stack or stack[-1] is not frame:
+        raise RuntimeError("fp8kit.torch.autocast contexts were exited out of order")
+    stack.pop()
+
+
+def _replayed(settings: FP8Settings, replay: Any) -> FP8Settings:
+    """``settings`` for a recomputation: casts read ``replay``, nothing is enrolled."""
+    return replace(settings, forward_states=None, replay=replay)
+
+
 def active_replay() -> Any:
     """The recomputation running on this thread (:func:`replaying`), or None."""
     return _local.replay
@@ -426,15 +436,12 @@ def replaying(settings: FP8Settings | None, replay: Any) -> Iterator[None]:
     forward's scales from it, record no amax and join no update event. An autocast entered in
     the body does the same with its own settings and runs no event at its exit.
     """
-    frame_settings = None
-    if settings is not None:
-        frame_settings = replace(settings, forward_states=None, replay=replay)
     frame = _Frame(
         settings is not None and settings.fp8,
         None if settings is None else settings.recipe,
         None if settings is None else settings.group,
         False,
-        frame_settings,
+        None if settings is None else _replayed(settings, replay),
     )
     outer_replay = _local.replay
     fastpath = torch.backends.mha.get_fastpath_enabled()
@@ -445,10 +452,7 @@ def replaying(settings: FP8Settings | None, replay: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        stack = _local.stack
-        if not stack or stack[-1] is not frame:
-            raise RuntimeError("fp8kit.torch.autocast contexts were exited out of order")
-        stack.pop()
+        _pop_frame(frame)
         _local.replay = outer_replay
         torch.backends.mha.set_fastpath_enabled(fastpath)
 

@@ -23,14 +23,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from fp8kit.torch.autocast import (
     Enrolment,
-    active_replay,
     autocast,
     current_settings,
     recording_enrolments,
     register_forward_state,
     schedule_backward_update,
 )
-from fp8kit.torch.recompute import captures, check_not_checkpointed
+from fp8kit.torch.recompute import check_not_checkpointed
 from fp8kit.torch.state import FP8Meta, ScalingState, bind_recipe, pool_states
 from fp8kit.torch.state.buffers import buffer_generation
 
@@ -231,8 +230,7 @@ class _Replay:
         enabled, calibrating, recipe, group = self.settings
         if not (enabled or calibrating):  # a high-precision capture: nothing of fp8kit's to check
             return self.graphed(*args, **kwargs)
-        if captures or active_replay() is not None:
-            check_not_checkpointed("a CUDA-graphed FP8 module")
+        check_not_checkpointed("a CUDA-graphed FP8 module")
         self.watch.check()
         active = current_settings()
         if (

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from fp8kit.torch.autocast import active_replay, enrol, event_of
+from fp8kit.torch.autocast import enrol, event_of
 from fp8kit.torch.plan import plan_for
 from fp8kit.torch.quantization import Float8Tensor, nan_ignoring_amax
-from fp8kit.torch.recompute import captures, check_not_checkpointed
+from fp8kit.torch.recompute import check_not_checkpointed
 from fp8kit.torch.slot_cast import quantize_slot
 from fp8kit.torch.state import FP8Meta, bind_state_if_needed
 from fp8kit.torch.state.buffers import state_by_uid
@@ -61,7 +61,7 @@ def _quantize_slot_op(
 
     Returns ``(data, data_t, scale_inv, dbias)``, with 0-element tensors for outputs not asked.
     """
-    if not backward and (captures or active_replay() is not None):
+    if not backward:
         check_not_checkpointed("a torch.compile'd FP8 module")
     plan = plan_for(event_of(event_key)[0])
     state = state_by_uid(backward_uid if backward else forward_uid)
@@ -110,8 +110,7 @@ def _record_slot_op(
     """:meth:`FP8Run.record_forward` in a compiled graph: bind (as :func:`_quantize_slot_op`),
     fold ``max |x|`` (NaN ignored) into the live forward state's staging entry ``slot``, enrol
     when ``enrol_state``. ``token``: the forward state's ``op_token``."""
-    if captures or active_replay() is not None:
-        check_not_checkpointed("a torch.compile'd FP8 module")
+    check_not_checkpointed("a torch.compile'd FP8 module")
     recipe = event_of(event_key)[0]
     state = state_by_uid(forward_uid)
     for uid in (forward_uid, backward_uid):
