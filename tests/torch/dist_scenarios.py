@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling
@@ -30,6 +32,7 @@ from fp8kit.torch.checkpoint import (
 )
 from fp8kit.torch.ddp import ddp_ignore_fp8_state
 from fp8kit.torch.distributed import AmaxReductionError
+from fp8kit.torch.state import registry
 from tests.torch.dist_helpers import run_scenarios
 
 # ---------------------------------------------------------------------------------------------
@@ -89,6 +92,47 @@ def _count_collectives() -> Iterator[dict[str, int]]:
             setattr(dist, name, fn)
 
 
+class _OpRecorder(TorchDispatchMode):
+    """Records the aten and c10d ops run while active, by name."""
+
+    def __init__(self, ops: Counter[str]) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _event_ops() -> Iterator[list[dict[str, int]]]:
+    """Per update event (``StateRegistry.run_event``) run while inside: its ops by name, and
+    ``"host reads"``, the ``Tensor.tolist`` calls (invisible to a dispatch mode)."""
+    events: list[dict[str, int]] = []
+    real_event, real_tolist = registry.StateRegistry.run_event, torch.Tensor.tolist
+
+    def recorded_event(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ops: Counter[str] = Counter()
+
+        def counted_tolist(tensor: torch.Tensor) -> Any:
+            ops["host reads"] += 1
+            return real_tolist(tensor)
+
+        torch.Tensor.tolist = counted_tolist  # type: ignore[method-assign]
+        try:
+            with _OpRecorder(ops):
+                return real_event(self, *args, **kwargs)
+        finally:
+            torch.Tensor.tolist = real_tolist  # type: ignore[method-assign]
+            events.append(dict(ops))
+
+    registry.StateRegistry.run_event = recorded_event  # type: ignore[method-assign]
+    try:
+        yield events
+    finally:
+        registry.StateRegistry.run_event = real_event  # type: ignore[method-assign]
+
+
 def _cleanup() -> None:
     gc.collect()
 
@@ -111,19 +155,22 @@ def scenario_spec14(rank: int, world: int, workdir: str) -> dict[str, Any]:
 
 
 def scenario_collective_count(rank: int, world: int, workdir: str) -> dict[str, Any]:
-    """Collectives per step for 1 and 6 modules: one all-reduce per direction per event."""
-    out = {}
+    """Collectives per step for 1 and 6 modules: one all-reduce per direction per event; the
+    ops of each update event in the steady state (third step)."""
+    out: dict[str, Any] = {}
     for n in (1, 6):
         torch.manual_seed(0)
         model = nn.Sequential(*[f8.Linear(16, 16) for _ in range(n)])
         recipe = _recipe(4 + n)
         steps = []
-        for _ in range(3):
-            with _count_collectives() as counts:
+        for step in range(3):
+            with _count_collectives() as counts, _event_ops() as events:
                 with f8.autocast(recipe=recipe):
                     y = model(_x(1.0 + rank))
                 y.sum().backward()
             steps.append(dict(counts))
+            if step == 2:
+                out[f"{n} event ops"] = events
         out[str(n)] = steps
         del model
         _cleanup()

@@ -92,6 +92,26 @@ def test_one_all_reduce_per_direction_per_event(two: list) -> None:
             assert [s["all_gather_object"] for s in steps] == [0, 0, 0], n_modules
 
 
+def test_steady_reduced_event_makes_no_tensor_from_host_data(two: list) -> None:
+    """A steady-state event with reduction: the buffer (one cat), the all-reduce, one host read
+    of its three-float trailer, the reduced row copied into staging, then the bound update
+    kernel (a native call, no aten op). No tensor from Python numbers (``lift_fresh``: on CUDA
+    a blocking copy from pageable memory) and no masking ops."""
+    views = {"aten.slice.Tensor", "aten.select.int"}
+    for res in scenario_result(two, "scenario_collective_count"):
+        for n_modules in ("1", "6"):
+            events = res[f"{n_modules} event ops"]
+            assert len(events) == 2, n_modules  # forward, backward
+            for ops in events:
+                launched = {name: k for name, k in ops.items() if name not in views}
+                assert launched == {
+                    "aten.cat.default": 1,
+                    "c10d.allreduce_.default": 1,
+                    "host reads": 1,
+                    "aten.copy_.default": 1,
+                }, n_modules
+
+
 def _moe_reference(
     pattern: list, weight_amax: list[float], history_len: int = 4
 ) -> list[list[dict[str, np.ndarray]]]:

@@ -219,6 +219,10 @@ class StateRegistry:
         self._changed = True  # the layout must be re-checked across ranks
         self._verified: Layout | None = None  # the layout every rank last agreed on
         self._verified_pg: Any = None  # the process group object it was agreed over
+        # The reduction trailers of one layout on one device, keyed by the changed flag.
+        self._trailers: tuple[Layout | None, torch.device | None, dict[bool, torch.Tensor]] = (
+            None, None, {}
+        )  # fmt: skip
         self.pool = StatePool()
         self._nonfinite = NonfiniteWatch()
 
@@ -300,17 +304,34 @@ class StateRegistry:
         Returns:
             The reduced staging row and whether any rank flagged a changed registry.
         """
-        fp = float(layout.fingerprint)
-        trailer = torch.tensor([1.0 if staging is None else 0.0, fp, -fp], device=device)
+        trailer = self._trailer(layout, staging is None, device)
         if staging is None:
             buffer = torch.cat([torch.zeros(layout.num_slots, device=device), trailer])
         else:
             buffer = torch.cat([staging, trailer])
         distributed.all_reduce_max(buffer, self.group, self.direction)
-        flag, high, neg_low = buffer[-_TRAILER:].tolist()
+        flag, high, neg_low = buffer[-_TRAILER:].tolist()  # the event's one host read
+        fp = float(layout.fingerprint)
         if high != fp or -neg_low != fp:
             distributed.raise_event_mismatch(layout, self.group)
         return buffer[:-_TRAILER], flag > 0
+
+    def _trailer(self, layout: Layout, changed: bool, device: torch.device) -> torch.Tensor:
+        """``[changed flag, fingerprint, -fingerprint]`` of ``layout`` on ``device``, made once.
+
+        A tensor made from Python numbers at every event would be a copy from pageable host
+        memory, which blocks the host on CUDA (docs/performance.md, "Host synchronisation")."""
+        cached_layout, cached_device, trailers = self._trailers
+        if cached_layout is not layout or cached_device != device:
+            trailers = {}
+            self._trailers = (layout, device, trailers)
+        trailer = trailers.get(changed)
+        if trailer is None:
+            fp = float(layout.fingerprint)
+            trailer = trailers[changed] = torch.tensor(
+                [1.0 if changed else 0.0, fp, -fp], device=device
+            )
+        return trailer
 
     def run_event(
         self, ran: Sequence[ScalingState], fmax: float, *, registered: bool = False
@@ -327,12 +348,9 @@ class StateRegistry:
         if not ran and not reduce:  # nothing ran here and no collective to take part in
             return
         self._sync_pool()
-        if not reduce and len(ran) == self._num_live:  # the steady state: every member ran
-            update = prepared_update(self.pool, self.recipe, fmax)
-            if update is not None:
-                if update() != 0:  # an inf came in, or the count is unknown (None): look
-                    self._nonfinite.check(self.pool, self.states, self.direction, self.recipe)
-                return
+        # The steady state: every member ran.
+        if not reduce and len(ran) == self._num_live and self._prepared_event(fmax):
+            return
         with torch.no_grad():
             mask = None
             if self._num_live:
@@ -347,12 +365,30 @@ class StateRegistry:
                 reduced = self._reduced(staging)
                 if not self._num_live:
                     return
-                # A slot that ran on any rank rolls on every rank; one that ran nowhere keeps
-                # its own leftover staging.
-                mask = reduced != 0
-                local.copy_(torch.where(mask, reduced, local))
+                if mask is None:
+                    # Every member ran here, so the reduced row is at least the local one
+                    # wherever that is not 0: taking it whole rolls exactly the slots that ran
+                    # on some rank (the zero-skip rule skips the others), as the masked update.
+                    local.copy_(reduced)
+                    if self._prepared_event(fmax):
+                        return
+                else:
+                    # A slot that ran on any rank rolls on every rank; one that ran nowhere
+                    # keeps its own leftover staging.
+                    mask = reduced != 0
+                    local.copy_(torch.where(mask, reduced, local))
             apply_update(self.pool, self.recipe, fmax, mask)
             self._nonfinite.check(self.pool, self.states, self.direction, self.recipe)
+
+    def _prepared_event(self, fmax: float) -> bool:
+        """Update every column with the pool's bound kernel; False (nothing done) for callable
+        algorithms, which take :func:`apply_update`."""
+        update = prepared_update(self.pool, self.recipe, fmax)
+        if update is None:
+            return False
+        if update() != 0:  # an inf came in, or the count is unknown (None): look
+            self._nonfinite.check(self.pool, self.states, self.direction, self.recipe)
+        return True
 
     def _reduced(self, staging: torch.Tensor) -> torch.Tensor:
         """``staging`` all-reduced (MAX) over the group, checking layouts where they changed."""
