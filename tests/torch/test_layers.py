@@ -456,6 +456,40 @@ def test_meta_device_then_to_empty_and_reset() -> None:
     assert torch.isfinite(y).all()
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: f8.Linear(16, 16),
+        lambda: LayerNormMLP(16, 32),
+        lambda: f8.MultiheadAttention(16, 2),
+        lambda: f8.TransformerLayer(16, 32, 2),
+    ],
+    ids=["Linear", "LayerNormMLP", "MultiheadAttention", "TransformerLayer"],
+)
+def test_to_empty_off_meta_gives_fresh_fp8_state(make, monkeypatch) -> None:
+    """FSDP2 / torchtitan initialisation: build on ``meta``, ``to_empty``, then the user's own
+    weight init (no ``reset_parameters``). The FP8 state must be fresh, not the new memory's
+    contents (NaN and 7 here, as uninitialised memory may hold)."""
+    with torch.device("meta"):
+        module = make()
+    real_empty_like = torch.empty_like
+    monkeypatch.setattr(
+        torch,
+        "empty_like",
+        lambda t, **kw: real_empty_like(t, **kw).fill_(math.nan if t.is_floating_point() else 7),
+    )
+    module.to_empty(device="cpu")
+    monkeypatch.undo()
+    states = [m for m in module.modules() if isinstance(m, f8.ScalingState)]
+    assert states
+    for state in states:
+        assert state.device.type == "cpu"
+        assert not state.amax_history.any() and not state.update_count.any()
+        assert torch.equal(state.scale, torch.ones_like(state.scale))
+        assert torch.equal(state.scale_inv, torch.ones_like(state.scale))
+        assert not state.nonfinite_count.any()
+
+
 def test_reset_parameters_gives_fresh_fp8_state() -> None:
     block = LayerNormLinear(16, 16)
     with f8.autocast(recipe=DelayedScaling(amax_history_len=2)):

@@ -168,6 +168,7 @@ class ScalingState(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> ScalingState:  # type: ignore[override]
         # FP8 metadata stays float32 / int64 whatever the model's dtype: follow device moves
         # only (``model.to(torch.bfloat16)`` must not round scales and histories).
+        materialised = False
         for name, buf in self._buffers.items():
             if buf is None:
                 continue
@@ -178,9 +179,14 @@ class ScalingState(nn.Module):
                     if buf.is_meta
                     else buf.to(device=moved.device)
                 )
+            materialised |= buf.is_meta and not moved.is_meta
             if moved is not buf:
                 self._buffers[name] = moved
                 _buffers_replaced()
+        if materialised:
+            # Off the meta device (``module.to_empty``, as FSDP2 / torchtitan initialise): a meta
+            # buffer had no values, so the new memory gets the fresh state's.
+            self.reset_values()
         return self
 
     @property
