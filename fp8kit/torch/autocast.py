@@ -479,15 +479,19 @@ def fp8_autocast(
 
 _backward_lock = threading.Lock()
 _backward_pending: _Pending = {}
-_backward_callback_queued = False
+# The autograd graph task (``torch._C._current_graph_task_id()``) whose end runs the pending
+# backward events, None when no callback is queued. A pass that raised never runs its callback:
+# the next pass, another task, queues its own, and its event takes the failed pass's staged
+# amaxes too (as a forward body that raised leaves its amaxes for the next forward event).
+_backward_callback_task: int | None = None
 
 
 def _flush_backward_updates() -> None:
-    global _backward_callback_queued
+    global _backward_callback_task
     with _backward_lock:
         pending = list(_backward_pending.values())
         _backward_pending.clear()
-        _backward_callback_queued = False
+        _backward_callback_task = None
     for entry in pending:
         entry.run()
 
@@ -505,17 +509,18 @@ def _arm_backward_update(recipe: DelayedScaling, group: Any) -> None:
 
 def schedule_backward_update(state: ScalingState, recipe: DelayedScaling, group: Any) -> None:
     """Queue ``state`` for the backward update that runs when this backward pass ends."""
-    global _backward_callback_queued
+    global _backward_callback_task
     if _recorders:
         _recorders[-1].append(Enrolment(state, recipe, group, True))
         return
+    task = torch._C._current_graph_task_id()
     with _backward_lock:
         _pending_entry(_backward_pending, recipe, group, "backward").states.setdefault(
             id(state), state
         )
-        if _backward_callback_queued:
+        if _backward_callback_task == task:
             return
-        _backward_callback_queued = True
+        _backward_callback_task = task
     try:
         torch.autograd.Variable._execution_engine.queue_callback(_flush_backward_updates)
     except RuntimeError:

@@ -219,6 +219,39 @@ def test_exception_inside_autocast_keeps_staging_for_the_next_event() -> None:
     assert layer.fp8_meta.forward.amax_history[:, INPUT].tolist() == [0, 0, 0, 9]
 
 
+class _RaisesInBackward(torch.autograd.Function):
+    """Identity whose backward raises: a pass that fails after an FP8 module's backward ran."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def, override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        raise RuntimeError("backward boom")
+
+
+def test_backward_that_raises_keeps_staging_for_the_next_backward_event() -> None:
+    """A pass that raises runs no backward event; its staged dY amax joins the next pass's
+    event, and every later pass runs its own (as a forward body that raised)."""
+    layer = f8.Linear(16, 16)
+    recipe = DelayedScaling(amax_history_len=4)
+    x = torch.randn(4, 16, requires_grad=True)
+    with f8.autocast(recipe=recipe):
+        y = layer(_RaisesInBackward.apply(x))
+    with pytest.raises(RuntimeError, match="backward boom"):
+        y.backward(_x_with_amax(9.0))
+    backward = layer.fp8_meta.backward
+    assert backward.amax_history[0, GRAD_OUTPUT].item() == 9.0
+    assert backward.update_count[GRAD_OUTPUT].item() == 0
+    for step, amax in enumerate([1.0, 2.0, 3.0]):
+        with f8.autocast(recipe=recipe):
+            y = layer(torch.randn(4, 16))
+        y.backward(_x_with_amax(amax))
+        assert backward.update_count[GRAD_OUTPUT].item() == step + 1
+    assert backward.amax_history[:, GRAD_OUTPUT].tolist() == [0, 9, 2, 3]
+
+
 def test_first_step_current_scaling() -> None:
     recipe = DelayedScaling(amax_history_len=4, first_step_scaling="current")
     layer = f8.Linear(16, 16)
