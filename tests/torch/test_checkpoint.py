@@ -81,6 +81,29 @@ def test_resume_in_a_fresh_model_is_bit_identical() -> None:
             assert torch.equal(t, b.state_dict()[name]), name
 
 
+def test_assign_load_into_a_meta_model_resumes_bit_identically() -> None:
+    """``load_state_dict(sd, assign=True)`` into a model built on ``meta`` (how large models
+    are loaded without a first allocation): the unsaved buffers follow the checkpoint's device,
+    and training goes on exactly as the uninterrupted run."""
+    a = _model(seed=0)
+    _steps(a, 3, seed=2)
+    sd = _roundtrip(a.state_dict())
+    with torch.device("meta"):
+        b = _model(seed=123)
+    b.load_state_dict(sd, strict=True, assign=True)
+    for state in (m for m in b.modules() if isinstance(m, f8.ScalingState)):
+        assert {t.device.type for t in state.buffers()} == {"cpu"}
+        assert not state.nonfinite_count.any()
+    assert torch.equal(
+        b[0].fp8_meta.forward.scale_inv, torch.reciprocal(a[0].fp8_meta.forward.scale)
+    )
+    for ya, yb in zip(_steps(a, 3, seed=3), _steps(b, 3, seed=3), strict=True):
+        assert torch.equal(ya, yb)
+    for name, t in a.state_dict().items():
+        if isinstance(t, torch.Tensor):
+            assert torch.equal(t, b.state_dict()[name]), name
+
+
 def test_loading_another_history_length_adopts_it_then_the_recipe_resizes() -> None:
     a = _model()
     _steps(a, 5, seed=4)

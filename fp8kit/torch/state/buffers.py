@@ -270,10 +270,20 @@ class ScalingState(nn.Module):
         self.amax_history = resize_history(self.amax_history, length)
 
     def refresh_derived(self) -> None:
-        """Recompute ``scale_inv`` and caches after the buffers were replaced from outside."""
+        """Recompute ``scale_inv`` and caches after the buffers were replaced from outside.
+
+        The unsaved buffers follow the saved ones to their device: ``load_state_dict(...,
+        assign=True)`` into a model built on ``meta`` assigns the checkpoint's tensors and leaves
+        the others where they were."""
+        device = self.amax_history.device
         with torch.no_grad():
-            if self.scale_inv.shape == self.scale.shape:
-                self.scale_inv.copy_(torch.reciprocal(self.scale))  # in place: keeps pool views
+            if self.nonfinite_count.device != device:
+                self.nonfinite_count = torch.zeros_like(self.update_count, device=device)
+            if self.op_token.device != device:
+                self.op_token = torch.empty(0, dtype=torch.float32, device=device)
+            scale_inv = self.scale_inv
+            if scale_inv.shape == self.scale.shape and scale_inv.device == self.scale.device:
+                scale_inv.copy_(torch.reciprocal(self.scale))  # in place: keeps pool views
             else:
                 self.scale_inv = torch.reciprocal(self.scale)
         self._slots_with_history = set()
