@@ -132,14 +132,10 @@ class _FP8Block(nn.Module):
         if self.layer_norm_bias is not None:
             nn.init.zeros_(self.layer_norm_bias)
 
-    def _reset_fp8(self, device: torch.device) -> None:
-        """Fresh FP8 state (after ``reset_parameters``, e.g. following ``to_empty()``)."""
+    def _reset_fp8(self) -> None:
+        """Fresh FP8 state values (``reset_parameters``); the states themselves are kept."""
         if "fp8_meta" in self._modules:
-            self.fp8_meta = FP8Meta(
-                num_gemms=len(self.fp8_gemm_names),
-                history_len=self.fp8_meta.forward.history_len,
-                device=device,
-            )
+            self.fp8_meta.reset_values()
             self._weight_cache = [None] * len(self.fp8_gemm_names)
 
     def _fp8_run(self, x: torch.Tensor, in_features: int, ref: torch.Tensor) -> FP8Run | None:
@@ -217,7 +213,7 @@ class LayerNormLinear(_FP8Block):
         """Norm weight 1, norm bias 0, Linear as ``torch.nn.Linear``; fresh FP8 state."""
         self._reset_norm()
         _init_linear(self.weight, self.bias)
-        self._reset_fp8(self.weight.device)
+        self._reset_fp8()
 
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, is_first_microbatch: bool | None = None
@@ -310,7 +306,7 @@ class LayerNormMLP(_FP8Block):
         self._reset_norm()
         _init_linear(self.fc1_weight, self.fc1_bias)
         _init_linear(self.fc2_weight, self.fc2_bias)
-        self._reset_fp8(self.fc1_weight.device)
+        self._reset_fp8()
 
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, is_first_microbatch: bool | None = None

@@ -417,12 +417,8 @@ class Linear(nn.Linear):
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
-        if "fp8_meta" in self._modules:  # also after to_empty() from a meta-device init
-            self.fp8_meta = FP8Meta(
-                num_gemms=1,
-                history_len=self.fp8_meta.forward.history_len,
-                device=self.weight.device,
-            )
+        if "fp8_meta" in self._modules:  # not yet while nn.Linear.__init__ runs
+            self.fp8_meta.reset_values()
             self._weight_cache = [None]
 
     def forward(  # type: ignore[override]

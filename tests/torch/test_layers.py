@@ -490,14 +490,29 @@ def test_to_empty_off_meta_gives_fresh_fp8_state(make, monkeypatch) -> None:
         assert not state.nonfinite_count.any()
 
 
-def test_reset_parameters_gives_fresh_fp8_state() -> None:
-    block = LayerNormLinear(16, 16)
-    with f8.autocast(recipe=DelayedScaling(amax_history_len=2)):
-        block(torch.randn(2, 16)).sum().backward()
+@pytest.mark.parametrize("make", [lambda: f8.Linear(16, 16), lambda: LayerNormLinear(16, 16)])
+def test_reset_parameters_gives_fresh_fp8_state(make) -> None:
+    """Fresh values; the recorded recipe (saved in checkpoints) and the state labels (named in
+    warnings) stay."""
+    block = make()
+    recipe = DelayedScaling(amax_history_len=2)
+    for _ in range(2):
+        with f8.autocast(recipe=recipe):
+            block(torch.randn(2, 16)).sum().backward()
+    labels = [block.fp8_meta.forward.label, block.fp8_meta.backward.label]
     assert block.fp8_meta.forward.amax_history.any()
     block.reset_parameters()
-    assert not block.fp8_meta.forward.amax_history.any()
-    assert block.fp8_meta.forward.history_len == 2
+    for state in (block.fp8_meta.forward, block.fp8_meta.backward):
+        assert not state.amax_history.any() and not state.update_count.any()
+        assert torch.equal(state.scale, torch.ones_like(state.scale))
+        assert torch.equal(state.scale_inv, torch.ones_like(state.scale))
+        assert state.history_len == 2
+    assert [block.fp8_meta.forward.label, block.fp8_meta.backward.label] == labels
+    with f8.autocast(recipe=recipe):
+        block(torch.randn(2, 16)).sum().backward()
+    extra = block.state_dict()["fp8_meta.forward._extra_state"]
+    assert extra["recipe"] == recipe.to_dict()
+    assert block.fp8_meta.forward.update_count.max().item() == 1
 
 
 @pytest.mark.parametrize(

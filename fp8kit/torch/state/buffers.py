@@ -382,6 +382,12 @@ class FP8Meta(nn.Module):
         absent = not any(key.startswith(prefix) for key in state_dict)
         self.__dict__["_absent_in_load"] = prefix if absent else None
 
+    def reset_values(self) -> None:
+        """Fresh values in both states, in place (``reset_parameters``): shapes, the recorded
+        recipe and the labels are kept, and so are the pools the buffers belong to."""
+        self.forward.reset_values()
+        self.backward.reset_values()
+
     def set_label(self, label: str) -> None:
         """Name the owner in messages (``convert_model`` uses the module's qualified name)."""
         self.forward.label = f"{label}.forward"
