@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch.autocast import FP8Settings, current_settings
@@ -280,6 +281,7 @@ class _LinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # FP8 GEMMs of saved FP8 copies: a second derivative would be wrong
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         x_t, x_hp, w_t, weight = ctx.saved_tensors
         run: FP8Run = ctx.run

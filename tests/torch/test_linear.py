@@ -295,6 +295,25 @@ def test_bad_input() -> None:
         f8.autocast(enabled=1)
 
 
+def test_double_backward_raises_instead_of_dropping_the_second_derivative() -> None:
+    """A gradient penalty through an FP8 Linear (``create_graph=True``): the first derivatives
+    are those of a plain backward; differentiating them again raises, where it silently
+    contributed nothing before."""
+    torch.manual_seed(0)
+    layer = f8.Linear(16, 8)
+    x = torch.randn(4, 16, requires_grad=True)
+    recipe = DelayedScaling(amax_history_len=4)
+    grads = []
+    for create_graph in (False, True):
+        with f8.autocast(recipe=recipe, calibrating=False):
+            y = layer(x)
+        grads.append(torch.autograd.grad(y.square().sum(), x, create_graph=create_graph)[0])
+        layer.fp8_meta.reset_values()  # the same scales for both passes
+    assert torch.equal(grads[0], grads[1].detach())
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (y.sum() + grads[1].square().sum()).backward()
+
+
 def test_history_length_follows_the_recipe() -> None:
     layer = f8.Linear(16, 16)
     assert layer.fp8_meta.forward.amax_history.shape == (1024, 3)

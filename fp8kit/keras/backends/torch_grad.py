@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from keras import ops
+from torch.autograd.function import once_differentiable
 
 from fp8kit.keras import gemm
 from fp8kit.keras.state import Fp8State
@@ -39,6 +40,7 @@ class _Fp8Einsum(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # FP8 GEMMs of saved FP8 copies: a second derivative would be wrong
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         x_dtype, w_dtype = ctx.dtypes
         dx, dw, bwd_obs = gemm.backward(
