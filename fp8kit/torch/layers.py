@@ -25,6 +25,8 @@ from torch import nn
 
 from fp8kit.torch.linear import (
     cached_fp8_weights,
+    check_bool,
+    check_features,
     check_is_first_microbatch,
     fp8_linear,
     fp8_run_for,
@@ -42,20 +44,6 @@ ACTIVATIONS = ("gelu", "relu", "swiglu")
 
 # ---------------------------------------------------------------------------------------------
 # Argument checks (errors at the boundary, naming the parameter)
-
-
-def check_features(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a positive int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value}")
-    return value
-
-
-def check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return value
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:

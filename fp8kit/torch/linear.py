@@ -19,7 +19,7 @@ from torch.autograd.function import once_differentiable
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch.autocast import FP8Settings, current_settings
 from fp8kit.torch.gemm import GEMM_ALIGNMENT, cublaslt_fuses_bias, fp8_gemm_bias_t, padded_mm
-from fp8kit.torch.quantization import Float8Tensor, check_high_precision
+from fp8kit.torch.quantization import HIGH_PRECISION_DTYPES, Float8Tensor, check_high_precision
 from fp8kit.torch.quantizer import FP8Run
 from fp8kit.torch.recompute import warn_if_recomputed_without_fp8
 from fp8kit.torch.state import (
@@ -110,6 +110,23 @@ def resolve_params_dtype(
     return params_dtype
 
 
+def check_features(name: str, value: Any) -> int:
+    """``value`` if it is a positive int (not a bool); else a TypeError / ValueError naming
+    ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool; else a TypeError naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
 def check_is_first_microbatch(value: object) -> None:
     """Raise a TypeError unless ``value`` is None, True or False."""
     if value is not None and not isinstance(value, bool):
@@ -138,6 +155,12 @@ def fp8_run_for(
         warn_if_recomputed_without_fp8(module, bool(module._run_cache))
         return None
     check_high_precision(x, "x")
+    if param.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(
+            f"this {type(module).__name__}'s parameters have dtype {param.dtype}; FP8 GEMMs take "
+            "torch.float32, torch.bfloat16 or torch.float16 parameters (convert the model with "
+            ".float() or .to(torch.bfloat16))"
+        )
     if x.shape[-1:] != (in_features,):
         raise ValueError(
             f"x must have shape (*, {in_features}) for this {type(module).__name__} "
@@ -405,10 +428,11 @@ class Linear(nn.Linear):
         fp8_grad: bool = False,
     ) -> None:
         dtype = resolve_params_dtype(dtype, params_dtype)
+        check_features("in_features", in_features)
+        check_features("out_features", out_features)
+        for name, flag in (("bias", bias), ("fp8_output", fp8_output), ("fp8_grad", fp8_grad)):
+            check_bool(name, flag)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        for name, flag in (("fp8_output", fp8_output), ("fp8_grad", fp8_grad)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
         self.fp8_output = fp8_output
         self.fp8_grad = fp8_grad
         self.fp8_meta = FP8Meta(

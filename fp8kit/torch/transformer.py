@@ -21,12 +21,10 @@ from fp8kit.torch.layers import (
     NORMALIZATIONS,
     LayerNormLinear,
     LayerNormMLP,
-    check_bool,
     check_choice,
     check_eps,
-    check_features,
 )
-from fp8kit.torch.linear import Linear, resolve_params_dtype
+from fp8kit.torch.linear import Linear, check_bool, check_features, resolve_params_dtype
 
 __all__ = ["ATTN_INPUT_FORMATS", "SELF_ATTN_MASK_TYPES", "TransformerLayer"]
 

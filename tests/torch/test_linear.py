@@ -287,8 +287,18 @@ def test_bad_input() -> None:
             layer(torch.randn(2, 7))
         with pytest.raises(ValueError, match="parameters are on cpu"):
             layer(torch.randn(2, 8, device="meta"))
+        with pytest.raises(TypeError, match=r"parameters have dtype torch\.float64"):
+            f8.Linear(8, 4, dtype=torch.float64)(torch.randn(2, 8))
     with pytest.raises(TypeError, match="fp8_output must be a bool"):
         f8.Linear(8, 4, fp8_output="yes")
+    with pytest.raises(TypeError, match="in_features must be a positive int, got True"):
+        f8.Linear(True, 4)
+    with pytest.raises(ValueError, match="in_features must be a positive int, got -1"):
+        f8.Linear(-1, 4)
+    with pytest.raises(ValueError, match="out_features must be a positive int, got 0"):
+        f8.Linear(16, 0)
+    with pytest.raises(TypeError, match="bias must be a bool"):
+        f8.Linear(16, 4, bias=None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="recipe must be"):
         f8.autocast(recipe="hybrid")
     with pytest.raises(TypeError, match="enabled must be a bool"):
