@@ -19,7 +19,9 @@ from fp8kit.torch import kernels
 from fp8kit.torch.quantization import (
     HIGH_PRECISION_DTYPES,
     Float8Tensor,
+    as_scale_tensor,
     cast_to_fp8,
+    check_float8_tensor,
     fp8_format_of,
 )
 
@@ -69,6 +71,11 @@ def _check_scale(name: str, scale: torch.Tensor, device: torch.device) -> None:
 
 def check_gemm_contract(a: Float8Tensor, b: Float8Tensor) -> None:
     """Raise :class:`Fp8GemmContractError` unless ``a @ b`` meets the cuBLASLt contract."""
+    for name, t in (("a", a), ("b", b)):
+        if t.data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise Fp8GemmContractError(
+                f"{name}.data must be torch.float8_e4m3fn or torch.float8_e5m2, got {t.data.dtype}"
+            )
     if a.data.dim() != 2 or b.data.dim() != 2:
         raise Fp8GemmContractError(
             f"a and b must be 2-D, got a.shape={tuple(a.shape)}, b.shape={tuple(b.shape)}"
@@ -76,6 +83,9 @@ def check_gemm_contract(a: Float8Tensor, b: Float8Tensor) -> None:
     (m, k), (k2, n) = a.shape, b.shape
     if k != k2:
         raise Fp8GemmContractError(f"inner dimensions differ: a is {m}x{k}, b is {k2}x{n}")
+    empty = [f"{nm}={v}" for nm, v in (("M", m), ("K", k), ("N", n)) if v == 0]
+    if empty:
+        raise Fp8GemmContractError(f"every GEMM dimension must be positive, got {', '.join(empty)}")
     bad = [f"{nm}={v}" for nm, v in (("M", m), ("K", k), ("N", n)) if v % GEMM_ALIGNMENT]
     if bad:
         raise Fp8GemmContractError(
@@ -402,9 +412,17 @@ def fp8_matmul(
     Returns:
         ``(M, N)`` tensor of ``out_dtype``, or a :class:`Float8Tensor` when ``out_scale`` is set.
     """
-    for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, Float8Tensor):
-            raise TypeError(f"{name} must be a Float8Tensor, got {type(t).__name__}")
+    check_float8_tensor(a, "a")
+    check_float8_tensor(b, "b")
+    if out_dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(
+            f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {out_dtype!r}"
+        )
+    if out_scale is not None and out_dtype != torch.float32:
+        raise ValueError(
+            f"out_dtype={out_dtype} is for a high-precision result; with out_scale the result is "
+            "FP8 (choose its dtype with out_fp8_dtype)"
+        )
     m, n = check_matmul_args(
         a.shape, b.shape, activation, out_scale is not None, out_fp8_dtype is not None
     )
@@ -422,6 +440,6 @@ def fp8_matmul(
     fmt = fp8_format_of(
         torch.float8_e4m3fn if out_fp8_dtype is None else out_fp8_dtype, "out_fp8_dtype"
     )
-    scale = torch.as_tensor(out_scale, dtype=torch.float32, device=y.device).reshape(())
+    scale = as_scale_tensor(out_scale, y.device, "out_scale")
     data, amax = cast_to_fp8(y, scale, fmt)
     return Float8Tensor(data, torch.reciprocal(scale), amax)

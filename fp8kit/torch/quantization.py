@@ -20,8 +20,10 @@ from fp8kit.torch.scaling import compute_scale
 __all__ = [
     "HIGH_PRECISION_DTYPES",
     "Float8Tensor",
+    "as_scale_tensor",
     "cast_to_fp8",
     "cast_to_fp8_reference",
+    "check_float8_tensor",
     "current_scale",
     "dequantize",
     "fp8_format_of",
@@ -180,19 +182,42 @@ def cast_to_fp8(
     return cast_to_fp8_reference(x, scale, fmt)
 
 
-def _as_scale_tensor(scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+def as_scale_tensor(
+    scale: torch.Tensor | float, device: torch.device, name: str = "scale"
+) -> torch.Tensor:
+    """``scale`` as a float32 0-d tensor on ``device``: a Python number checked by
+    :func:`~fp8kit.formats.check_scale_number`, or a float32 one-element tensor already there
+    (not read on the host, so not range-checked). ``name`` is the argument named in errors."""
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        return torch.tensor(check_scale_number(scale), dtype=torch.float32, device=device)
+        return torch.tensor(check_scale_number(scale, name), dtype=torch.float32, device=device)
     if not isinstance(scale, torch.Tensor):
-        raise TypeError(f"scale must be a float or a float32 tensor, got {type(scale).__name__}")
+        raise TypeError(f"{name} must be a float or a float32 tensor, got {type(scale).__name__}")
     if scale.dtype != torch.float32 or scale.numel() != 1:
         raise TypeError(
-            f"scale must be a float32 tensor with one element, got dtype {scale.dtype} and "
+            f"{name} must be a float32 tensor with one element, got dtype {scale.dtype} and "
             f"shape {tuple(scale.shape)}"
         )
     if scale.device != device:
-        raise ValueError(f"scale is on {scale.device} but x is on {device}: put both on one device")
+        raise ValueError(
+            f"{name} is on {scale.device} but the data is on {device}: put both on one device"
+        )
     return scale.reshape(())
+
+
+def check_float8_tensor(t: object, name: str) -> None:
+    """Raise a TypeError unless ``t`` is a :class:`Float8Tensor` with FP8 ``data`` and a float32
+    one-element ``scale_inv``."""
+    if not isinstance(t, Float8Tensor):
+        raise TypeError(f"{name} must be a Float8Tensor, got {type(t).__name__}")
+    fp8_format_of(t.data.dtype, f"{name}.data's dtype")
+    inv = t.scale_inv
+    if not isinstance(inv, torch.Tensor) or inv.dtype != torch.float32 or inv.numel() != 1:
+        got = (
+            f"dtype {inv.dtype}, shape {tuple(inv.shape)}"
+            if isinstance(inv, torch.Tensor)
+            else (type(inv).__name__)
+        )
+        raise TypeError(f"{name}.scale_inv must be a float32 tensor with one element, got {got}")
 
 
 def quantize(
@@ -210,15 +235,19 @@ def quantize(
             :func:`fp8kit.formats.check_scale_number`); a tensor scale is not read on the host
             and therefore not checked.
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
-        scale_inv: optional precomputed ``1 / scale`` (float32, one element).
+        scale_inv: optional precomputed ``1 / scale`` (float or float32 one-element tensor, the
+            same rules as ``scale``); it is trusted to be the reciprocal.
     """
     check_high_precision(x)
     fmt = fp8_format_of(fp8_dtype)
-    scale_t = _as_scale_tensor(scale, x.device)
+    scale_t = as_scale_tensor(scale, x.device)
+    inv = (
+        torch.reciprocal(scale_t)
+        if scale_inv is None
+        else as_scale_tensor(scale_inv, x.device, "scale_inv")
+    )
     data, amax = cast_to_fp8(x, scale_t, fmt)
-    if scale_inv is None:
-        scale_inv = torch.reciprocal(scale_t)
-    return Float8Tensor(data, scale_inv.reshape(()), amax)
+    return Float8Tensor(data, inv, amax)
 
 
 def current_scale(amax: torch.Tensor, fmt: FP8Format, power_2_scale: bool = False) -> torch.Tensor:

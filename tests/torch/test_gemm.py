@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import numpy as np
@@ -158,6 +159,22 @@ def test_fp8_matmul_bad_input() -> None:
         f8.fp8_matmul(a, b, out_fp8_dtype=torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="out_fp8_dtype must be one of"):
         f8.fp8_matmul(a, b, out_scale=1.0, out_fp8_dtype=torch.float16)
+    for dtype in (torch.int32, torch.float64, "bf16"):
+        with pytest.raises(TypeError, match=r"out_dtype must be torch\.float32, torch\.bfloat16"):
+            f8.fp8_matmul(a, b, out_dtype=dtype)
+    with pytest.raises(ValueError, match="with out_scale the result is FP8"):
+        f8.fp8_matmul(a, b, out_dtype=torch.bfloat16, out_scale=1.0)
+    for scale in (0.0, -2.0, math.nan, math.inf, True):
+        with pytest.raises((ValueError, TypeError), match=r"^out_scale must be a f"):
+            f8.fp8_matmul(a, b, out_scale=scale)
+    with pytest.raises(TypeError, match=r"a.data's dtype must be one of"):
+        f8.fp8_matmul(f8.Float8Tensor(torch.randn(16, 32), a.scale_inv), b)
+    with pytest.raises(TypeError, match=r"b.scale_inv must be a float32 tensor"):
+        f8.fp8_matmul(a, f8.Float8Tensor(b.data, 1.0))  # type: ignore[arg-type]
+    with pytest.raises(Fp8GemmContractError, match="must be positive, got K=0"):
+        f8.scaled_mm(_fp8(torch.randn(16, 0)), _fp8(torch.randn(16, 0)).t())
+    with pytest.raises(Fp8GemmContractError, match=r"a.data must be torch.float8_e4m3fn"):
+        f8.scaled_mm(f8.Float8Tensor(torch.randn(16, 32), a.scale_inv), b)
 
 
 def test_linear_is_backend_independent(backend: str) -> None:

@@ -140,6 +140,11 @@ def test_bad_input_messages() -> None:
         f8.quantize(x, 1.0, torch.float8_e4m3fn).dequantize(torch.int8)
     with pytest.raises(ValueError, match=r"one device"):
         f8.quantize(x, torch.tensor(1.0, device="meta"), torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="scale_inv must be a float32 tensor"):
+        f8.quantize(x, 2.0, torch.float8_e4m3fn, scale_inv=torch.tensor([0.5, 0.5]))
+    with pytest.raises(ValueError, match=r"^scale_inv must be a finite number"):
+        f8.quantize(x, 2.0, torch.float8_e4m3fn, scale_inv=0.0)
+    assert f8.quantize(x, 2.0, torch.float8_e4m3fn, scale_inv=0.5).scale_inv.item() == 0.5
 
 
 BAD_SCALES = [0, 0.0, -0.0, -1.0, -3, math.nan, math.inf, -math.inf, 1e39, 1e-39, 2.0**-127]
