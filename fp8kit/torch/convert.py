@@ -41,10 +41,49 @@ def _to_fp8_linear(old: nn.Linear, fqn: str) -> Linear:
     return new
 
 
+# nn.Module's hook registries (torch 2.6 - 2.13), carried from a replaced module to its FP8 one.
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def _carry_over(old: nn.Module, new: nn.Module) -> None:
+    """Give ``new`` the hooks and the extra attributes ``old`` carries, so conversion loses
+    nothing a user attached. A registry ``new`` has no hook in is shared with ``old`` (the
+    handles returned at registration still remove the hooks)."""
+    for name in _HOOK_DICTS:
+        hooks = old.__dict__.get(name)
+        if not hooks:
+            continue
+        mine = new.__dict__.get(name)
+        if mine:
+            mine.update(hooks)
+        else:
+            new.__dict__[name] = hooks
+    if old.__dict__.get("_is_full_backward_hook") is not None:
+        new.__dict__["_is_full_backward_hook"] = old.__dict__["_is_full_backward_hook"]
+    for key, value in old.__dict__.items():
+        if key not in new.__dict__:
+            new.__dict__[key] = value
+
+
 def _to_fp8(old: nn.Module, fqn: str) -> nn.Module:
     if isinstance(old, nn.MultiheadAttention):
-        return to_fp8_attention(old, fqn)
-    return _to_fp8_linear(old, fqn)  # type: ignore[arg-type]
+        new: nn.Module = to_fp8_attention(old, fqn)
+    else:
+        new = _to_fp8_linear(old, fqn)  # type: ignore[arg-type]
+    _carry_over(old, new)
+    return new
 
 
 def _check_patterns(keep_high_precision: object) -> tuple[str, ...]:
@@ -81,11 +120,17 @@ def _skip_reason(
     matched = [p for p in patterns if fnmatch.fnmatchcase(fqn, p)]
     if matched:
         return f"keep_high_precision pattern {matched[0]!r}"
+    if isinstance(module, nn.Linear) and min(module.in_features, module.out_features) < 1:
+        return "a Linear without features (in_features or out_features is 0)"
     dtype = _weight_dtype(module)
     if dtype not in HIGH_PRECISION_DTYPES:
         return f"weight dtype {dtype}: FP8 GEMMs take float32, bfloat16 or float16 operands"
-    if module_filter is not None and not module_filter(module, fqn):
-        return "module_filter returned False"
+    if module_filter is not None:
+        keep = module_filter(module, fqn)
+        if not isinstance(keep, bool):
+            raise TypeError(f"module_filter must return a bool, got {keep!r} for {fqn!r}")
+        if not keep:
+            return "module_filter returned False"
     return None
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 import fp8kit.torch as f8
 from fp8kit.formats import E4M3
+from fp8kit.recipe import DelayedScaling
 from tests.reference import fp8_round
 
 
@@ -107,6 +108,43 @@ def test_bad_arguments() -> None:
         f8.convert_model("model")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="module_filter must be None or a callable"):
         f8.convert_model(nn.Linear(2, 2), module_filter=3)  # type: ignore[arg-type]
+
+
+def test_module_filter_must_answer_with_a_bool() -> None:
+    with pytest.raises(TypeError, match="module_filter must return a bool, got 'no' for '0'"):
+        f8.convert_model(nn.Sequential(nn.Linear(4, 4)), module_filter=lambda m, fqn: "no")
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Linear(8, 8), lambda: nn.MultiheadAttention(8, 2)])
+def test_hooks_and_attributes_of_a_converted_module_carry_over(make) -> None:
+    """Hooks (forward, pre-forward, full backward) and extra attributes set on the module that
+    is replaced keep working on its FP8 module; their handles still remove them."""
+    module = make()
+    calls: list[str] = []
+    handles = [
+        module.register_forward_pre_hook(lambda m, args: calls.append("pre")),
+        module.register_forward_hook(lambda m, args, out: calls.append("forward")),
+        module.register_full_backward_hook(lambda m, gin, gout: calls.append("backward")),
+    ]
+    module.my_tag = "kept"
+    model = f8.convert_model(nn.Sequential(module))
+    fp8 = model[0]
+    assert fp8 is not module and isinstance(fp8, (f8.Linear, f8.MultiheadAttention))
+    assert fp8.my_tag == "kept"
+    x = torch.randn(3, 8, requires_grad=True)
+
+    def step() -> None:
+        with f8.autocast(recipe=DelayedScaling(amax_history_len=2)):
+            out = fp8(x) if isinstance(fp8, f8.Linear) else fp8(x, x, x)[0]
+        out.sum().backward()
+
+    step()
+    assert calls == ["pre", "forward", "backward"]
+    for handle in handles:
+        handle.remove()
+    calls.clear()
+    step()
+    assert calls == []
 
 
 class Net(nn.Module):
