@@ -349,6 +349,14 @@ class autocast(contextlib.ContextDecorator):
                 "calibrating=True needs a DelayedScaling recipe (current scaling keeps no scales "
                 f"to calibrate), got {type(recipe).__name__}"
             )
+        if amax_reduction_group is not None and not (
+            torch.distributed.is_available()
+            and isinstance(amax_reduction_group, torch.distributed.ProcessGroup)
+        ):
+            raise TypeError(
+                "amax_reduction_group must be None (the WORLD group) or a "
+                f"torch.distributed.ProcessGroup, got {type(amax_reduction_group).__name__}"
+            )
         self.enabled = enabled
         self.recipe = recipe
         self.group = amax_reduction_group

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8kit.torch.autocast import current_settings
 from fp8kit.torch.checkpoint import summarize_fresh_fp8_state
 from fp8kit.torch.layers import (
     ACTIVATIONS,
@@ -25,6 +26,7 @@ from fp8kit.torch.layers import (
     check_eps,
 )
 from fp8kit.torch.linear import Linear, check_bool, check_features, resolve_params_dtype
+from fp8kit.torch.quantization import check_high_precision
 
 __all__ = ["ATTN_INPUT_FORMATS", "SELF_ATTN_MASK_TYPES", "TransformerLayer"]
 
@@ -127,6 +129,12 @@ class TransformerLayer(nn.Module):
         ``attention_mask`` (``self_attn_mask_type="padding"`` only): bool, broadcastable to
         ``[b, 1, s, s]`` (TE uses ``[b, 1, 1, s]``); True marks a position that is masked out.
         """
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(
+                f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}"
+            )
+        if current_settings() is not None:  # FP8 GEMMs take 16- and 32-bit floats only
+            check_high_precision(hidden_states, "hidden_states")
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             layout = "s, b" if self.attn_input_format == "sbhd" else "b, s"
             raise ValueError(

@@ -303,6 +303,10 @@ def test_bad_input() -> None:
         f8.autocast(recipe="hybrid")
     with pytest.raises(TypeError, match="enabled must be a bool"):
         f8.autocast(enabled=1)
+    with pytest.raises(TypeError, match=r"amax_reduction_group must be None .* got str"):
+        f8.autocast(amax_reduction_group="world")
+    with pytest.raises(TypeError, match=r"amax_reduction_group must be None .* got int"):
+        f8.fp8_autocast(fp8_group=0)
 
 
 def test_double_backward_raises_instead_of_dropping_the_second_derivative() -> None:

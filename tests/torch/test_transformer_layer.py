@@ -238,3 +238,7 @@ def test_masks_and_inputs_are_checked() -> None:
         padding(x, torch.zeros(B, 1, 1, S - 1, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"hidden_states must have shape \[s, b, 32\]"):
         causal(torch.randn(S, B, H + 1))
+    with pytest.raises(TypeError, match=r"hidden_states must be a torch\.Tensor, got list"):
+        causal([[0.0] * H])
+    with f8.autocast(), pytest.raises(TypeError, match="hidden_states must have dtype"):
+        causal(torch.randn(S, B, H, dtype=torch.float64))
