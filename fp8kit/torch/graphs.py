@@ -99,7 +99,16 @@ def make_graphed_callables(
             f"{type(recipe).__name__}"
         )
 
+    if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int):
+        raise TypeError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")
+    if num_warmup_iters < 0:
+        raise ValueError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters}")
+    if not isinstance(allow_unused_input, bool):
+        raise TypeError(f"allow_unused_input must be a bool, got {allow_unused_input!r}")
+
     metas = [m for module in module_list for m in module.modules() if isinstance(m, FP8Meta)]
+    states = [s for m in metas for s in (m.forward, m.backward)]
+    placements = [state.placement() for state in states]  # put back if the capture fails
     if isinstance(recipe, DelayedScaling) and (fp8_enabled or fp8_calibrating):
         partition = next(_partitions)  # a pool no later module joins: the addresses stay put
         for meta in metas:
@@ -107,7 +116,6 @@ def make_graphed_callables(
             meta.forward.pool_partition = meta.backward.pool_partition = partition
         pool_states([m.forward for m in metas], recipe, fp8_group, "forward")
         pool_states([m.backward for m in metas], recipe, fp8_group, "backward")
-    states = [s for m in metas for s in (m.forward, m.backward)]
     saved = [[state._buffers[n].clone() for n in _CAPTURED_BUFFERS] for state in states]
 
     settings = {
@@ -119,6 +127,7 @@ def make_graphed_callables(
     originals = [module.__dict__.get("forward") for module in module_list]
     for module in module_list:
         module.forward = _in_autocast(module.forward, settings)
+    captured = False
     try:
         with recording_enrolments() as record:
             torch.cuda.make_graphed_callables(
@@ -128,15 +137,21 @@ def make_graphed_callables(
                 allow_unused_input=allow_unused_input,
                 pool=pool,
             )
+        captured = True
     except BaseException:
         for module, original in zip(module_list, originals, strict=True):
             _restore_forward(module, original)
         raise
     finally:
-        with torch.no_grad():  # warm-up and capture leave the FP8 state as it was
-            for state, buffers in zip(states, saved, strict=True):
-                for name, value in zip(_CAPTURED_BUFFERS, buffers, strict=True):
-                    state._buffers[name].copy_(value)
+        # Warm-up and capture leave the FP8 state as it was; a failed capture also leaves the
+        # buffers, pools and recipe binding it found.
+        with torch.no_grad():
+            for state, buffers, placement in zip(states, saved, placements, strict=True):
+                if captured:
+                    for name, value in zip(_CAPTURED_BUFFERS, buffers, strict=True):
+                        state._buffers[name].copy_(value)
+                else:
+                    state.restore_placement(placement)
                 state.refresh_derived()
 
     watch = _BufferWatch(states)

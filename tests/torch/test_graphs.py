@@ -203,6 +203,9 @@ def test_a_graphed_calibration_rolls_forward_scales_without_grad(emulated_graphs
         ({"sample_args": [torch.zeros(2)]}, ValueError, "sample_args must be"),
         ({"fp8_enabled": 1}, TypeError, "fp8_enabled must be a bool"),
         ({"fp8_recipe": "delayed"}, TypeError, "fp8_recipe must be"),
+        ({"num_warmup_iters": -1}, ValueError, "num_warmup_iters must be an int >= 0, got -1"),
+        ({"num_warmup_iters": "3"}, TypeError, "num_warmup_iters must be an int >= 0"),
+        ({"allow_unused_input": 2}, TypeError, "allow_unused_input must be a bool, got 2"),
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict[str, Any], error: type, match: str) -> None:
@@ -210,6 +213,33 @@ def test_bad_arguments_are_named(kwargs: dict[str, Any], error: type, match: str
     call.update(kwargs)
     with pytest.raises(error, match=match):
         f8.make_graphed_callables(call.pop("modules"), call.pop("sample_args"), **call)
+
+
+def test_a_failed_capture_leaves_the_fp8_state_as_it_found_it(monkeypatch) -> None:
+    """A capture that raises (here: no CUDA) must not leave the states rebound to the capture's
+    recipe, in the capture's pool, or with values of its warm-up."""
+    model, head = _block(), torch.nn.Linear(32, 8)
+    other = DelayedScaling(amax_history_len=8)
+    x = torch.randn(16, 32)
+    with f8.autocast(recipe=other):
+        head(model(x)).square().mean().backward()
+    twin = copy.deepcopy(model)
+    states = [m for m in model.modules() if isinstance(m, f8.ScalingState)]
+    before = [(s.amax_history.clone(), s.scale.clone(), s.pool_partition) for s in states]
+
+    def capture_fails(modules: Any, sample_args: Any, **kwargs: Any) -> Any:
+        for module, args in zip(modules, sample_args, strict=True):
+            module(*args).sum().backward()  # a warm-up step, then the capture fails
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", capture_fails)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        f8.make_graphed_callables(model, (x,), fp8_enabled=True, fp8_recipe=RECIPE)
+    for state, (history, scale, partition) in zip(states, before, strict=True):
+        assert torch.equal(state.amax_history, history) and torch.equal(state.scale, scale)
+        assert state.pool_partition == partition == 0
+    for _ in range(2):  # trains on exactly as a copy that never saw the call
+        assert torch.equal(_step(model, head, x), _step(twin, head, x))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -160,6 +160,19 @@ class ScalingState(nn.Module):
         if name in BUFFER_NAMES:
             _buffers_replaced()
 
+    def placement(self) -> tuple[dict[str, torch.Tensor | None], int, dict[str, Any] | None]:
+        """The buffer tensors themselves (not copies), the pool partition and the recorded
+        recipe: what :meth:`restore_placement` puts back after a failed set-up moved them."""
+        return dict(self._buffers), self.pool_partition, self.recipe_data
+
+    def restore_placement(
+        self, placement: tuple[dict[str, torch.Tensor | None], int, dict[str, Any] | None]
+    ) -> None:
+        """Undo everything since :meth:`placement`: rebinding, pooling, a partition."""
+        buffers, self.pool_partition, self.recipe_data = placement
+        self._buffers.update(buffers)
+        _buffers_replaced()
+
     def adopt_buffers(self, views: dict[str, torch.Tensor]) -> None:
         """Use ``views`` (same shapes and values, e.g. columns of a pool) as the buffers."""
         for name, view in views.items():
