@@ -7,6 +7,7 @@ Pure Python: no framework import. Each frontend maps :attr:`FP8Format.name` to i
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 
@@ -66,6 +67,25 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 FLOAT32_MIN_NORMAL = 2.0**-126
 """Smallest positive normal float32: the smallest scale whose reciprocal is a finite float32."""
+
+
+def float32_round(value: float) -> float:
+    """``value`` rounded to the nearest float32 (ties to even; +-inf beyond the float32 range)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:  # rounds past FLT_MAX
+        return math.copysign(math.inf, value)
+
+
+def scale_numerator(fmax: float, margin: float) -> float:
+    """``float32(fmax * 2**-margin)``, the dividend of the default scale rule (SPEC section 3):
+    the product in float64, rounded once to float32. inf where it leaves the float32 range (the
+    rule then caps the scale at FLT_MAX), 0 where it underflows."""
+    try:
+        product = fmax * 2.0**-margin
+    except OverflowError:  # 2**-margin beyond float64
+        product = math.inf
+    return float32_round(product)
 
 
 def check_scale_number(scale: float, name: str = "scale") -> float:

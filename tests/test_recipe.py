@@ -5,13 +5,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import pickle
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from fp8kit.formats import E4M3, E5M2
+from fp8kit.formats import E4M3, E5M2, scale_numerator
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format, recipe_from_dict
 
 
@@ -198,3 +200,22 @@ def test_callables_serialise_by_name_and_resolve_only_loaded_modules() -> None:
         recipe_from_dict(data)
     with pytest.raises(ValueError, match="type"):
         recipe_from_dict({"type": "Pickle"})
+
+
+@pytest.mark.parametrize(
+    ("fmax", "margin", "expected"),
+    [
+        (448.0, 0, 448.0),
+        (448.0, -0.5, float(np.float32(448.0 * 2**0.5))),
+        (57344.0, 3, 7168.0),
+        (448.0, -119, float(np.float32(448.0 * 2.0**119))),  # still finite
+        (448.0, -120, math.inf),  # 448 * 2**120 > FLT_MAX
+        (448.0, -1100.5, math.inf),  # 2**1100.5 overflows float64 itself
+        (448.0, 1100, 0.0),  # underflows
+    ],
+)
+def test_scale_numerator_rounds_once_to_float32(
+    fmax: float, margin: float, expected: float
+) -> None:
+    """SPEC section 3: ``float32(fmax * 2^-margin)``; the frontends all take it from here."""
+    assert scale_numerator(fmax, margin) == expected

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fp8kit.formats import FLOAT32_MAX
+from fp8kit.formats import FLOAT32_MAX, scale_numerator
 from fp8kit.recipe import DelayedScaling
 
 __all__ = [
@@ -40,10 +40,11 @@ def count_wrap(interval: int) -> int:
     return max(interval, interval * (COUNT_WRAP_LIMIT // interval))
 
 
-def _numerator(fmax: float | np.ndarray, margin: float) -> np.ndarray:
-    """``float32(fmax * 2**-margin)``, computed in float64 and rounded once (as fp8kit.torch)."""
-    with np.errstate(over="ignore"):
-        return np.asarray(np.asarray(fmax, np.float64) * 2.0 ** (-margin), np.float32)
+def _numerator(fmax: Any, margin: float) -> np.ndarray:
+    """:func:`fp8kit.formats.scale_numerator` of ``fmax`` (a float or one per column)."""
+    fmax = np.asarray(fmax, np.float64)
+    out = [scale_numerator(float(f), margin) for f in fmax.ravel()]
+    return np.asarray(out, np.float32).reshape(fmax.shape)
 
 
 def compute_scale(

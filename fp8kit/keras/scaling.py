@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from keras import ops
 
-from fp8kit.formats import FLOAT32_MAX
+from fp8kit.formats import FLOAT32_MAX, scale_numerator
 from fp8kit.recipe import DelayedScaling
 
 __all__ = [
@@ -43,9 +43,10 @@ def count_wrap(interval: int) -> int:
 
 
 def _numerator(fmax: Any, margin: float) -> np.ndarray:
-    """``float32(fmax * 2**-margin)``, computed in float64 and rounded once."""
-    with np.errstate(over="ignore"):
-        return np.asarray(np.asarray(fmax, np.float64) * 2.0 ** (-margin), np.float32)
+    """:func:`fp8kit.formats.scale_numerator` of ``fmax`` (a float or one per column)."""
+    fmax = np.asarray(fmax, np.float64)
+    out = [scale_numerator(float(f), margin) for f in fmax.ravel()]
+    return np.asarray(out, np.float32).reshape(fmax.shape)
 
 
 def _frexp32(x: Any) -> tuple[Any, Any]:

@@ -59,7 +59,12 @@ UPDATE_RECIPES = [
     (f8j.DelayedScaling(amax_history_len=4, margin=-0.5), "forward"),
     (f8j.DelayedScaling(amax_history_len=4, power_2_scale=True, margin=2), "forward"),
     (f8j.DelayedScaling(amax_history_len=4, interval=3), "backward"),
+    # float32(fmax * 2**-margin) overflows: every scale is capped at FLT_MAX
+    (f8j.DelayedScaling(amax_history_len=2, margin=-130), "forward"),
+    (f8j.DelayedScaling(amax_history_len=2, margin=-1100.5), "backward"),
 ]
+# Amaxes at the ends of the scale rule: the FLT_MAX cap (1e-37), just inside it, the largest.
+EDGE_AMAXES = np.float32([1e-37, 5.2e-36, 1e-30, 3e38, 3.4028235e38])
 
 
 @pytest.mark.parametrize(
@@ -75,6 +80,7 @@ def test_update_rule_is_bit_identical(rng, recipe, direction) -> None:
         a = np.exp(rng.uniform(-60, 60, n)).astype(np.float32)
         a[rng.random(n) < 0.25] = 0
         a[rng.random(n) < 0.05] = np.inf
+        a[rng.random(n) < 0.2] = rng.choice(EDGE_AMAXES)
         hj, sj, cj = jax_update(hj.at[0].max(a), sj, cj, recipe, fmax)
         ht[0] = torch.maximum(ht[0], torch.from_numpy(a))
         ht, st, ct = torch_update(ht, st, ct, recipe, fmax)

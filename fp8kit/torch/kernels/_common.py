@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from fp8kit.formats import E4M3, E5M2, FLOAT32_MAX, FP8Format
+from fp8kit.formats import E4M3, E5M2, FLOAT32_MAX, FP8Format, float32_round, scale_numerator
 
 __all__ = [
     "ALGOS",
@@ -134,15 +134,6 @@ def empty(
     return torch.empty(size=(), dtype=dtype, device=device)
 
 
-def float32_round(value: float) -> float:
-    """``value`` rounded to the nearest float32 (ties to even; inf beyond the float32 range), as
-    ``torch.tensor(value, dtype=torch.float32)`` rounds it."""
-    try:
-        return struct.unpack("<f", struct.pack("<f", value))[0]
-    except OverflowError:  # rounds past FLT_MAX
-        return math.copysign(math.inf, value)
-
-
 def split_float32(value: float) -> tuple[int, int]:
     """``(e, m)`` with ``value = (1 + m / 2**23) * 2**e`` for a positive normal float32 value.
 
@@ -221,21 +212,13 @@ def update_config(
         interval=interval,
         algo_id=ALGOS.index(algo),
         power_2_scale=power_2_scale,
-        numerator=float32_round(_times_pow2(fmax, -margin)),
+        numerator=scale_numerator(fmax, margin),
         fmax_exp=fmax_exp,
         fmax_mant=fmax_mant,
         margin_int=max(-1024, min(1024, int(margin))) if power_2_scale else 0,
     )
     _UPDATE_CONFIGS[key] = config
     return config
-
-
-def _times_pow2(value: float, exponent: float) -> float:
-    """``value * 2**exponent`` in float64 (inf where ``2**exponent`` overflows)."""
-    try:
-        return value * 2.0**exponent
-    except OverflowError:
-        return math.inf
 
 
 def current_config(fmax: float, power_2_scale: bool) -> UpdateConfig:

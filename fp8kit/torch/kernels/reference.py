@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8kit.formats import FLOAT32_MAX, FP8Format
+from fp8kit.formats import FLOAT32_MAX, FP8Format, scale_numerator
 from fp8kit.torch.kernels._common import CastResult, CastSpec, UpdateConfig
 
 __all__ = [
@@ -103,7 +103,7 @@ def compute_scale(
         exponent = torch.clamp(exponent - margin, max=_POW2_CAP_EXPONENT)
         scale = torch.exp2(exponent).to(torch.float32)
     else:
-        numerator = torch.full_like(safe_amax, fmax * 2.0 ** (-margin))  # rounded to float32
+        numerator = torch.full_like(safe_amax, scale_numerator(fmax, margin))
         scale = numerator / safe_amax  # float32 / float32: one correctly rounded division
         scale = torch.where(torch.isinf(scale), FLOAT32_MAX, scale)
     return torch.where(usable, scale, old_scale)
