@@ -304,8 +304,16 @@ class _LinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # FP8 GEMMs of saved FP8 copies: a second derivative would be wrong
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():
+            # create_graph=True: the gradients come from FP8 GEMMs of saved FP8 copies, so a
+            # second derivative through them would be wrong; differentiating them must raise.
+            return _gradients_once_differentiable(ctx, dy)
+        return _LinearFunction.gradients(ctx, dy)
+
+    @staticmethod
+    def gradients(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        """dX, dW and db (and None for the other inputs of ``forward``) from ``dy``."""
         x_t, x_hp, w_t, weight = ctx.saved_tensors
         run: FP8Run = ctx.run
         _, dgrad_fp8, wgrad_fp8 = run.fp8_gemms
@@ -360,6 +368,9 @@ class _LinearFunction(torch.autograd.Function):
         else:
             db = None
         return dx, dw, db, None, None, None, None, None
+
+
+_gradients_once_differentiable = once_differentiable(_LinearFunction.gradients)
 
 
 def fp8_linear(
