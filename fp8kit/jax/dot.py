@@ -346,7 +346,10 @@ def _fp8_dot_bwd(
         meta_ct,
         forward=replace(meta_ct.forward, amax_history=fwd_h.at[0].max(both[:n_fwd])),
         backward=replace(meta_ct.backward, amax_history=bwd_h.at[0].max(both[n_fwd:])),
-        step=jnp.maximum(meta_ct.step, 1.0),
+        # One chain. The 1 is derived from this call's amaxes so that it carries their batch
+        # dimension: where JAX sums the amaxes (a meta broadcast by vmap), it sums the count
+        # too, and f8.update refuses the sum (docs/jax.md, "Reuse, scan, remat, microbatches").
+        step=jnp.maximum(meta_ct.step, jnp.where(both[0] >= 0, 1.0, 1.0)),
     )
     return dx, dw, db, meta_in_ct
 

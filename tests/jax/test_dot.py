@@ -254,6 +254,22 @@ def test_summed_observations_are_refused(operands) -> None:
     assert float(out.forward.amax_history[-1, 0]) == 2 * np.abs(x).max()
 
 
+def test_a_meta_broadcast_by_vmap_is_refused(operands) -> None:
+    """vmap over examples with one meta closed over: JAX sums the per-example amaxes (1 + 7 is
+    no amax) and, since the chain count carries the batch dimension, the count as well."""
+    _, w, _ = operands
+    meta = f8.init_meta(1, f8.DelayedScaling(amax_history_len=3))
+    x = jnp.stack([jnp.ones((2, w.shape[0])), 7 * jnp.ones((2, w.shape[0]))])
+
+    def loss(meta, w):
+        return jnp.sum(jax.vmap(lambda xi: f8.dot_general(xi, w, DIMS, meta))(x))
+
+    _, _, obs = jax.jit(f8.value_and_grad(loss))(meta, w)
+    assert float(obs.forward[0]) == 8.0 and float(obs.chains) == 2.0
+    with pytest.raises(f8.SummedObservationsError, match="summed by JAX over 2"):
+        f8.update(meta, obs)
+
+
 def test_scan_with_per_layer_meta_equals_unrolled(rng) -> None:
     n = 3
     ws = jnp.asarray(random_fp8_friendly(rng, (n, 16, 16), 0.2))
