@@ -164,6 +164,19 @@ def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
     return tuple(x) if isinstance(x, Sequence) else (x,)
 
 
+def _normalize_axes(name: str, axes: int | Sequence[int], ndim: int) -> tuple[int, ...]:
+    """``axes`` of an ``ndim``-dimensional input as sorted non-negative indices (as Flax's
+    ``DenseGeneral``, so its parameters have Flax's shapes); out-of-range or repeated axes raise."""
+    given = _as_tuple(axes)
+    for a in given:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"{name} {a} is out of range for an input of {ndim} dimensions")
+    normalized = tuple(sorted(a % ndim for a in given))
+    if len(set(normalized)) != len(normalized):
+        raise ValueError(f"{name} {tuple(given)} names an axis twice")
+    return normalized
+
+
 class DenseGeneral(_Fp8Layer):
     """FP8 drop-in for ``flax.linen.DenseGeneral`` (flexible contracting and batch axes).
 
@@ -197,8 +210,8 @@ class DenseGeneral(_Fp8Layer):
         """Contract ``axis`` of ``inputs`` with the kernel; output = kept axes + features."""
         features = _as_tuple(self.features)
         ndim = inputs.ndim
-        axis = tuple(a % ndim for a in _as_tuple(self.axis))
-        batch_dims = tuple(b % ndim for b in _as_tuple(self.batch_dims))
+        axis = _normalize_axes("axis", self.axis, ndim)
+        batch_dims = _normalize_axes("batch_dims", self.batch_dims, ndim)
         if batch_dims and set(batch_dims) != set(range(max(batch_dims) + 1)):
             raise ValueError(
                 f"batch_dims must be consecutive leading axes starting at 0, got {self.batch_dims}"

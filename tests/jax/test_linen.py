@@ -70,9 +70,11 @@ def test_params_and_high_precision_path_match_flax() -> None:
     key = jax.random.key(3)
     x = jax.random.normal(key, (2, 3, 6, 7))
     general = {"features": (4, 5), "axis": (1, -1), "batch_dims": (0,)}
+    unsorted = {"features": 4, "axis": (-1, 1)}  # Flax sorts the axes: its kernel is (3, 7, 4)
     for ours, theirs in (
         (Dense(5), nn.Dense(5)),
         (DenseGeneral(**general), nn.DenseGeneral(**general)),
+        (DenseGeneral(**unsorted), nn.DenseGeneral(**unsorted)),
     ):
         v_ours = ours.init(key, x)
         v_theirs = theirs.init(key, x)
@@ -81,6 +83,20 @@ def test_params_and_high_precision_path_match_flax() -> None:
         np.testing.assert_array_equal(
             np.asarray(ours.apply(v_ours, x)), np.asarray(theirs.apply(v_theirs, x))
         )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"axis": 4}, "axis 4 is out of range for an input of 4 dimensions"),
+        ({"axis": -1, "batch_dims": (5,)}, "batch_dims 5 is out of range"),
+        ({"axis": (1, -3)}, r"axis \(1, -3\) names an axis twice"),
+    ],
+)
+def test_dense_general_refuses_bad_axes(kwargs, match) -> None:
+    x = jnp.ones((2, 3, 6, 7))
+    with pytest.raises(ValueError, match=match):
+        DenseGeneral(features=4, **kwargs).init(jax.random.key(0), x)
 
 
 def test_dense_general_fp8_matches_the_functional_op() -> None:
