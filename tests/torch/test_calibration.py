@@ -79,6 +79,30 @@ def test_calibrated_scales_then_drive_fp8_inference() -> None:
     assert rel < 0.1
 
 
+@pytest.mark.parametrize("enabled", [False, True])
+def test_calibration_under_inference_mode_leaves_ordinary_buffers(enabled: bool) -> None:
+    """A calibration pass under ``torch.inference_mode`` (with a history resize on the way):
+    the FP8 buffers stay ordinary tensors, so training, another pass, a load and a reset work
+    afterwards."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(f8.LayerNormMLP(32, 64), f8.LayerNormLinear(32, 16))
+    saved = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    recipe = DelayedScaling(amax_history_len=16)
+    x = torch.randn(4, 32)
+    with torch.inference_mode(), f8.autocast(enabled=enabled, calibrating=True, recipe=recipe):
+        model(x)
+    states = [m for m in model.modules() if isinstance(m, ScalingState)]
+    assert states[0].update_count.max().item() == 1
+    for state in states:
+        assert not any(b.is_inference() for b in state.buffers()), state.label
+    with torch.no_grad(), f8.autocast(calibrating=True, recipe=recipe):
+        model(x)
+    with f8.autocast(recipe=recipe):
+        model(x).sum().backward()
+    model.load_state_dict(saved, strict=False)
+    model[1].reset_parameters()
+
+
 def test_fp8_autocast_is_autocast_with_te_argument_names() -> None:
     recipe = DelayedScaling(amax_history_len=3)
     ctx = f8.fp8_autocast(enabled=True, calibrating=False, fp8_recipe=recipe, fp8_group=None)

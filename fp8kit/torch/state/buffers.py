@@ -280,7 +280,8 @@ class ScalingState(nn.Module):
                 ),
                 stacklevel=3,
             )
-        self.amax_history = resize_history(self.amax_history, length)
+        with torch.inference_mode(False):  # a buffer, also when resized in an inference pass
+            self.amax_history = resize_history(self.amax_history, length)
 
     def refresh_derived(self) -> None:
         """Recompute ``scale_inv`` and caches after the buffers were replaced from outside.
@@ -289,7 +290,7 @@ class ScalingState(nn.Module):
         assign=True)`` into a model built on ``meta`` assigns the checkpoint's tensors and leaves
         the others where they were."""
         device = self.amax_history.device
-        with torch.no_grad():
+        with torch.no_grad(), torch.inference_mode(False):
             if self.nonfinite_count.device != device:
                 self.nonfinite_count = torch.zeros_like(self.update_count, device=device)
             if self.op_token.device != device:

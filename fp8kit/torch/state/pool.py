@@ -82,7 +82,9 @@ class StatePool:
         lengths = {s.history_len for s in states}
         if len(lengths) > 1:  # pragma: no cover - states are resized before they join
             raise RuntimeError(f"fp8kit: states of one pool have history lengths {lengths}")
-        with torch.no_grad():
+        # Ordinary tensors even when the event runs under torch.inference_mode (a calibration
+        # pass): the states adopt these as their buffers and train with them afterwards.
+        with torch.no_grad(), torch.inference_mode(False):
             self.history = torch.cat([s.amax_history for s in states], dim=1)
             self.scale = torch.cat([s.scale for s in states])
             self.scale_inv = torch.cat([s.scale_inv for s in states])
