@@ -127,6 +127,17 @@ class MultiheadAttention(nn.MultiheadAttention):
         """Shapes and dtypes of an FP8 call, checked before any GEMM (ValueError / TypeError)."""
         for name, t in (("query", query), ("key", key), ("value", value)):
             check_high_precision(t, name)
+            if t.dtype != query.dtype:
+                raise TypeError(
+                    f"{name} must have query's dtype {query.dtype}, got {t.dtype}: cast the "
+                    "inputs to one dtype"
+                )
+        for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+            if mask is not None and mask.dtype not in (torch.bool, query.dtype):
+                raise TypeError(
+                    f"{name} must be a bool mask or a float mask of query's dtype {query.dtype}, "
+                    f"got {mask.dtype}"
+                )
         if query.dim() not in (2, 3):
             raise ValueError(
                 "query must be 2-D (L, E) unbatched or 3-D batched "

@@ -232,6 +232,16 @@ def test_bad_masks_and_dtypes_in_autocast_name_the_argument() -> None:
             fp8(q, q, q, attn_mask=torch.zeros(N, L, L, dtype=torch.bool))
         with pytest.raises(TypeError, match=r"key must have dtype torch\.float32, torch\.bfloat16"):
             fp8(q, q.double(), q)
+        with pytest.raises(TypeError, match=r"key must have query's dtype torch\.float32, got"):
+            fp8(q, q.bfloat16(), q.bfloat16())
+        with pytest.raises(TypeError, match=r"value must have query's dtype torch\.float32"):
+            fp8(q, q, q.half())
+        with pytest.raises(TypeError, match=r"attn_mask must be a bool mask or a float mask"):
+            fp8(q, q, q, attn_mask=torch.zeros(L, L, dtype=torch.float64))
+        with pytest.raises(TypeError, match=r"attn_mask must be a bool mask or a float mask"):
+            fp8(q, q, q, attn_mask=torch.zeros(L, L, dtype=torch.int64))
+        with pytest.raises(TypeError, match=r"key_padding_mask must be a bool mask or a float"):
+            fp8(q, q, q, key_padding_mask=torch.zeros(N, L, dtype=torch.float16))
     assert fp8.fp8_meta.forward.amax_history.abs().sum() == 0  # nothing ran
 
 
