@@ -23,8 +23,10 @@ from jax import lax
 from fp8kit.formats import E4M3, E5M2
 from fp8kit.jax.quantization import (
     Float8Array,
+    as_scale,
     cast_to_fp8,
     fp8_format_of,
+    high_precision_dtype,
 )
 from fp8kit.matmul_args import ACTIVATIONS, check_matmul_args
 
@@ -66,8 +68,15 @@ def pad_contraction(
     """
     a_axes, b_axes = contracting
     sizes = [a.shape[d] for d in a_axes]
+    b_sizes = [b.shape[d] for d in b_axes]
+    if sizes != b_sizes:
+        raise TypeError(
+            "the contracted dimensions must have the same sizes, got "
+            f"{tuple(sizes)} of shape {tuple(a.shape)} and {tuple(b_sizes)} of shape "
+            f"{tuple(b.shape)}"
+        )
     total = math.prod(sizes)
-    if total % GEMM_ALIGNMENT == 0:
+    if not sizes or total % GEMM_ALIGNMENT == 0:  # no contraction (an outer product): as is
         return a, b
     best: tuple[int, int, int] | None = None  # (padded length, position in a_axes, new size)
     for i, size in enumerate(sizes):
@@ -182,6 +191,12 @@ def fp8_matmul(
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, Float8Array):
             raise TypeError(f"{name} must be a Float8Array, got {type(t).__name__}")
+    out_dtype = high_precision_dtype(out_dtype, "out_dtype")
+    if out_scale is not None and out_dtype != np.float32:
+        raise ValueError(
+            f"out_dtype={out_dtype} is for a high-precision result; with out_scale the result is "
+            "FP8 (choose its dtype with out_fp8_dtype)"
+        )
     m, n = check_matmul_args(
         a.shape, b.shape, activation, out_scale is not None, out_fp8_dtype is not None
     )
@@ -197,6 +212,6 @@ def fp8_matmul(
     if out_scale is None:
         return y.astype(out_dtype)
     fmt = E4M3 if out_fp8_dtype is None else fp8_format_of(out_fp8_dtype, "out_fp8_dtype")
-    scale = jnp.asarray(out_scale, jnp.float32).reshape(())
+    scale = as_scale(out_scale, "out_scale")
     data, amax = cast_to_fp8(y, scale, fmt)
     return Float8Array(data, jnp.reciprocal(scale), amax)

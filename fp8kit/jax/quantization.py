@@ -30,11 +30,13 @@ from fp8kit.jax.scaling import compute_scale
 
 __all__ = [
     "Float8Array",
+    "as_scale",
     "cast_to_fp8",
     "check_high_precision",
     "current_scale",
     "dequantize",
     "fp8_format_of",
+    "high_precision_dtype",
     "jnp_dtype_of",
     "nan_ignoring_amax",
     "quantize",
@@ -119,13 +121,23 @@ class Float8Array:
         return Float8Array(self.data.T, self.scale_inv, self.amax)
 
 
+def high_precision_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
+    """``dtype`` as a numpy dtype if it is a high-precision float (float32, bfloat16, float16);
+    else a TypeError naming ``name``."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating) or dt.name in FORMATS_BY_NAME:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {dtype!r}")
+    return dt
+
+
 def dequantize(t: Float8Array, dtype: Any = jnp.float32) -> jax.Array:
     """``t.data * t.scale_inv`` in float32, cast to ``dtype`` (a high-precision float dtype)."""
     if not isinstance(t, Float8Array):
         raise TypeError(f"t must be a Float8Array, got {type(t).__name__}")
-    dt = np.dtype(dtype)
-    if not jnp.issubdtype(dt, jnp.floating) or dt.name in FORMATS_BY_NAME:
-        raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    dt = high_precision_dtype(dtype)
     out = t.data.astype(jnp.float32) * t.scale_inv
     return out if dt == np.float32 else out.astype(dt)
 
@@ -165,16 +177,20 @@ def cast_to_fp8(x: jax.Array, scale: jax.Array, fmt: FP8Format) -> tuple[jax.Arr
     return data, nan_ignoring_amax(x)
 
 
-def _as_scale(scale: Any) -> jax.Array:
+def as_scale(scale: Any, name: str = "scale") -> jax.Array:
+    """``scale`` as a float32 0-d array: a Python number checked by
+    :func:`~fp8kit.formats.check_scale_number`, or a float32 one-element array (not read on the
+    host, so not range-checked). ``name`` is the argument named in errors."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float, jax.Array, np.ndarray)):
         raise TypeError(
-            f"scale must be a float or a float32 array with one element, got {type(scale).__name__}"
+            f"{name} must be a float or a float32 array with one element, got "
+            f"{type(scale).__name__}"
         )
     if isinstance(scale, (int, float)):
-        return jnp.asarray(check_scale_number(scale), jnp.float32)
+        return jnp.asarray(check_scale_number(scale, name), jnp.float32)
     if scale.dtype != jnp.float32 or scale.size != 1:
         raise TypeError(
-            f"scale must be a float32 array with one element, got dtype {scale.dtype} and "
+            f"{name} must be a float32 array with one element, got dtype {scale.dtype} and "
             f"shape {tuple(scale.shape)}"
         )
     return jnp.asarray(scale).reshape(())
@@ -193,9 +209,9 @@ def quantize(x: Any, scale: Any, fp8_dtype: Any, scale_inv: jax.Array | None = N
     """
     x = check_high_precision(x)
     fmt = fp8_format_of(fp8_dtype)
-    s = _as_scale(scale)
+    s = as_scale(scale)
     data, amax = cast_to_fp8(x, s, fmt)
-    inv = jnp.reciprocal(s) if scale_inv is None else _as_scale(scale_inv)
+    inv = jnp.reciprocal(s) if scale_inv is None else as_scale(scale_inv, "scale_inv")
     return Float8Array(data, inv, amax)
 
 

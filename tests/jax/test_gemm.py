@@ -93,6 +93,19 @@ def test_refused_operands() -> None:
     a = f8.quantize(jnp.ones((16, 16)), 1.0, E5M2)
     with pytest.raises(ValueError, match="E5M2 x E5M2"):
         f8.fp8_matmul(a, a)
+    e4 = jnp.zeros((4, 10), E4M3)
+    with pytest.raises(TypeError, match=r"contracted dimensions must have the same sizes, got"):
+        scaled_dot_general(e4, 1.0, jnp.zeros((16, 8), E4M3), 1.0, (((1,), (0,)), ((), ())), "f4")
+    b = f8.quantize(jnp.ones((16, 8)), 1.0, E4M3)
+    q = f8.quantize(jnp.ones((4, 16)), 1.0, E4M3)
+    for dtype in (jnp.int32, "bf16"):
+        with pytest.raises(TypeError, match="out_dtype must be float32, bfloat16 or float16"):
+            f8.fp8_matmul(q, b, out_dtype=dtype)
+    with pytest.raises(ValueError, match="with out_scale the result is FP8"):
+        f8.fp8_matmul(q, b, out_dtype=jnp.bfloat16, out_scale=1.0)
+    for scale in (0.0, -1.0, float("nan"), float("inf"), True):
+        with pytest.raises((ValueError, TypeError), match=r"^out_scale must be a f"):
+            f8.fp8_matmul(q, b, out_scale=scale)
 
 
 def test_gemm_dtype() -> None:

@@ -99,6 +99,18 @@ def test_dense_general_refuses_bad_axes(kwargs, match) -> None:
         DenseGeneral(features=4, **kwargs).init(jax.random.key(0), x)
 
 
+def test_dense_on_one_unbatched_example_trains() -> None:
+    """A 1-D input (as flax.linen.Dense takes): wgrad contracts nothing, an outer product.
+    Its gradients equal those of the same example as a batch of one."""
+    x = jnp.arange(16, dtype=jnp.float32) / 16
+    layer = Dense(8, recipe=RECIPE)
+    v = layer.init(jax.random.key(0), x)
+    _, g1, obs1 = f8.value_and_grad(lambda v: jnp.sum(layer.apply(v, x)))(v)
+    _, g2, obs2 = f8.value_and_grad(lambda v: jnp.sum(layer.apply(v, x[None])))(v)
+    leaves_equal(g1["params"], g2["params"])
+    leaves_equal(obs1, obs2)
+
+
 def test_dense_general_fp8_matches_the_functional_op() -> None:
     key = jax.random.key(4)
     x = jax.random.normal(key, (3, 4, 6, 5))
