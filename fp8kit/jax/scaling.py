@@ -82,7 +82,9 @@ def compute_scale(
         exponent = jnp.minimum(exponent - int(margin), _POW2_CAP_EXPONENT)
         scale = jnp.ldexp(jnp.ones_like(safe), exponent)
     else:
-        scale = jnp.asarray(_numerator(fmax, margin)) / safe
+        # The barrier keeps XLA from turning a division by a broadcast amax (a callable algo
+        # may return one) into a multiplication by its reciprocal, which rounds twice.
+        scale = jnp.asarray(_numerator(fmax, margin)) / jax.lax.optimization_barrier(safe)
         scale = jnp.where(jnp.isinf(scale), jnp.float32(FLOAT32_MAX), scale)
     return jnp.where(usable, scale, jnp.asarray(old_scale, jnp.float32))
 

@@ -257,6 +257,21 @@ def test_callables_see_the_whole_state_and_are_guarded() -> None:
         f8.update(meta, _obs(meta, forward=1.0))
 
 
+def test_a_broadcast_amax_from_a_callable_is_divided_once() -> None:
+    """A callable returning one shared amax (a broadcast scalar): the scale is still the one
+    correctly rounded float32 division, 448 / 3 = 149.33333 (SPEC section 9), under jit too;
+    XLA may not turn it into a multiplication by 1/3 (149.33334)."""
+
+    def shared(history):
+        return jnp.broadcast_to(jnp.max(history), history.shape[1:])
+
+    r = f8.DelayedScaling(amax_history_len=2, amax_compute_algo=shared)
+    meta = f8.init_meta(1, r)
+    out = jax.jit(f8.update)(meta, _obs(meta, forward=3.0))
+    want = float(np.float32(448) / np.float32(3))
+    assert float(out.forward.scale[0]) == want
+
+
 def test_counts_wrap_keeps_the_interval_phase() -> None:
     r = f8.DelayedScaling(amax_history_len=2, interval=3)
     wrap = count_wrap(3)
