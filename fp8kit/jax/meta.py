@@ -337,11 +337,18 @@ def _from_state_dict(target: Fp8Meta, state: dict[str, Any]) -> Fp8Meta:
                 stacklevel=3,
             )
             hist = resize_history(hist, t.history_len)
-        return ScalingState(
-            amax_history=hist,
-            scale=jnp.asarray(s["scale"], jnp.float32),
-            update_count=jnp.asarray(s["update_count"], jnp.float32),
-        )
+        scale = jnp.asarray(s["scale"], jnp.float32)
+        count = jnp.asarray(s["update_count"], jnp.float32)
+        for name, value, like in (
+            ("scale", scale, t.scale),
+            ("update_count", count, t.update_count),
+        ):
+            if value.shape != like.shape:
+                raise ValueError(
+                    f"fp8kit: checkpoint {name} has shape {tuple(value.shape)}, the model "
+                    f"{tuple(like.shape)}"
+                )
+        return ScalingState(amax_history=hist, scale=scale, update_count=count)
 
     return replace(
         target,

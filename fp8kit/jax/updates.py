@@ -108,7 +108,11 @@ def stage(meta_tree: Any, observations: Any) -> Any:
     for _, x in flat:
         if isinstance(x, Fp8Meta):
             obs = next(it)
-            assert obs is not None
+            if obs is None:
+                raise ValueError(
+                    "stage needs the observations of every Fp8Meta in meta_tree (from "
+                    "f8.value_and_grad or f8.observations_of), got None"
+                )
             x = replace(
                 x,
                 forward=replace(x.forward, amax_history=_staged(x.forward, obs.forward)),

@@ -367,6 +367,11 @@ def test_checkpoint_restore_resumes_bit_identically(tmp_path) -> None:
         resized = serialization.from_state_dict(small, state)
     got = metas(resized)[0].forward.amax_history
     np.testing.assert_array_equal(got[1:], metas(v)[0].forward.amax_history[-3:])
+    # a scale or count of another size is refused, naming it
+    meta_state = state["fp8_meta"]["Dense_0"]["meta"]
+    meta_state["forward"]["scale"] = np.ones(5, np.float32)
+    with pytest.raises(ValueError, match=r"checkpoint scale has shape \(5,\), the model \(3,\)"):
+        serialization.from_state_dict(v, state)
 
 
 def test_inference_leaves_meta_unchanged() -> None:

@@ -257,6 +257,12 @@ def test_callables_see_the_whole_state_and_are_guarded() -> None:
         f8.update(meta, _obs(meta, forward=1.0))
 
 
+def test_stage_needs_observations() -> None:
+    meta = f8.init_meta(1, f8.DelayedScaling(amax_history_len=2))
+    with pytest.raises(ValueError, match="stage needs the observations of every Fp8Meta"):
+        f8.stage(meta, None)
+
+
 def test_a_broadcast_amax_from_a_callable_is_divided_once() -> None:
     """A callable returning one shared amax (a broadcast scalar): the scale is still the one
     correctly rounded float32 division, 448 / 3 = 149.33333 (SPEC section 9), under jit too;
