@@ -75,6 +75,22 @@ def torch_backend() -> None:
     model.fit(np.concatenate([x, x]), np.zeros((8, 8), np.float32), batch_size=4, verbose=0)
     counts = keras.ops.convert_to_numpy(model.layers[0].fp8_state.fwd_count)
     np.testing.assert_array_equal(counts, [2, 2, 0])
+    reused_layer_backward_keeps_its_forward_scales()
+
+
+def reused_layer_backward_keeps_its_forward_scales() -> None:
+    """One layer called twice, then one backward: eager torch runs an update event per call's
+    backward, so the second call's event must not change the scale the first call's backward
+    quantizes dY with (scale 1 here: E5M2(0.3) = 0.3125, not 0.3 at the new scale)."""
+    import torch
+
+    layer = f8.Dense(2, use_bias=False, recipe=f8.DelayedScaling(amax_history_len=1))
+    layer.build((None, 2))
+    layer.kernel.assign(np.eye(2, dtype=np.float32))
+    x1, x2 = (torch.ones(1, 2, requires_grad=True) for _ in range(2))
+    y1, y2 = layer(x1, training=True), layer(x2, training=True)
+    ((y1 * 0.3).sum() + (y2 * 1000.0).sum()).backward()
+    np.testing.assert_array_equal(x1.grad.numpy(), [[0.3125, 0.3125]])
 
 
 def jax_backend() -> None:

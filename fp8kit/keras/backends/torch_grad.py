@@ -34,7 +34,9 @@ class _Fp8Einsum(torch.autograd.Function):
         y, saved, fwd_obs = gemm.forward(plan, x, w, fwd_scale, fwd_count, out_dtype)
         ctx.plan, ctx.state, ctx.training = plan, state, training
         ctx.saved = saved
-        ctx.bwd = (bwd_scale, bwd_count)
+        # Copies: read() hands out the variables' own storage, which an update event of a later
+        # call's backward (eager: one event per backward) assigns before this backward runs.
+        ctx.bwd = (bwd_scale.clone(), bwd_count.clone())
         ctx.fwd_obs = fwd_obs
         ctx.dtypes = (x.dtype, w.dtype)
         return y
