@@ -21,8 +21,9 @@ _FP8_CLASS: dict[type, type] = {
 
 
 def _copy_weights(old: keras.layers.Layer, new: keras.layers.Layer) -> None:
-    """Assign ``old``'s kernel and bias (or every weight of another layer) to ``new``."""
-    if isinstance(new, (Dense, EinsumDense)):
+    """Assign ``old``'s kernel and bias to the FP8 layer it became (fresh FP8 state), or every
+    weight to a copy of its own class (an FP8 layer already keeps its trained FP8 state)."""
+    if type(old) in _FP8_CLASS and isinstance(new, (Dense, EinsumDense)):
         new.kernel.assign(old.kernel)
         if old.bias is not None:
             new.bias.assign(old.bias)

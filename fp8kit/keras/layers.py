@@ -61,8 +61,18 @@ class _Fp8LayerMixin:
             )
         if self.recipe is None:
             return
+        self._refuse_lora()
         self._fp8_plan = plan_einsum(equation, self.recipe)
         self.fp8_state = Fp8State(self, self.recipe, 1, self.gradient_accumulation_steps)
+
+    def _refuse_lora(self) -> None:
+        """LoRA and an FP8 recipe do not combine (docs/decisions/0600): say so, at build (a
+        ``lora_rank`` given) or at the call (``enable_lora`` after build)."""
+        if getattr(self, "lora_enabled", False) or getattr(self, "lora_rank", None):
+            raise NotImplementedError(
+                f"{type(self).__name__}: LoRA is not supported together with an FP8 recipe; "
+                "construct the layer with recipe=None to use LoRA"
+            )
 
     def _fp8_gemm(self, inputs: Any, kernel: Any, training: Any) -> Any:
         dtype = keras.backend.standardize_dtype(inputs.dtype)
@@ -71,11 +81,7 @@ class _Fp8LayerMixin:
                 f"{type(self).__name__} {self.name!r}: inputs must have a high-precision float "  # type: ignore[attr-defined]
                 f"dtype (float32, bfloat16, float16), got {dtype}"
             )
-        if self.lora_enabled:  # type: ignore[attr-defined]
-            raise NotImplementedError(
-                f"{type(self).__name__}: LoRA is not supported together with an FP8 recipe; "
-                "construct the layer with recipe=None to use LoRA"
-            )
+        self._refuse_lora()
         assert self._fp8_plan is not None and self.fp8_state is not None
         fp8_einsum = fp8_einsum_for_backend()
         return fp8_einsum(

@@ -193,6 +193,30 @@ def test_mirrored_strategy_reduces_amaxes_with_max(rng) -> None:
         strategy.run(tf.function(replica_no_reduce))
 
 
+def test_convert_model_keeps_the_trained_state_of_fp8_layers(rng) -> None:
+    """Converting a model that already has FP8 layers (a second pass with another filter)
+    copies their FP8 state with the weights, instead of starting it fresh."""
+    layers = [keras.Input((12,)), f8.Dense(8, recipe=RECIPE), keras.layers.Dense(2)]
+    model = keras.Sequential(layers)
+    model.compile(optimizer="sgd", loss="mse")
+    x = random_fp8_friendly(rng, (8, 12))
+    model.fit(x, np.zeros((8, 2), np.float32), batch_size=4, epochs=2, verbose=0)
+    trained = state_arrays(model.layers[0])
+    assert trained[2].max() == 4  # four update events: not the fresh state
+    again = f8.convert_model(model, recipe=RECIPE)
+    for a, b in zip(trained, state_arrays(again.layers[0]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert isinstance(again.layers[1], f8.Dense)
+
+
+def test_lora_with_an_fp8_recipe_is_refused_by_name() -> None:
+    with pytest.raises(NotImplementedError, match="LoRA is not supported together with an FP8"):
+        f8.Dense(2, lora_rank=2, recipe=RECIPE).build((None, 3))
+    plain_lora = f8.Dense(2, lora_rank=2, recipe=None)
+    plain_lora.build((None, 3))
+    assert plain_lora.lora_enabled
+
+
 def test_convert_model_swaps_dense_layers_and_keeps_weights(rng) -> None:
     keras.utils.set_random_seed(3)
     inputs = keras.Input((5, 12))
