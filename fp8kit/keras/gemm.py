@@ -113,9 +113,13 @@ def _flatten(t: Any, trailing: int) -> Any:
     return ops.reshape(t, (-1, *t.shape[len(t.shape) - trailing :]))
 
 
-def _unflatten(t: Any, like: Any, trailing: int) -> Any:
-    """``t`` ``(N, *rest)`` reshaped to the leading axes of ``like`` followed by ``rest``."""
-    lead = ops.shape(like)[: len(like.shape) - trailing]
+def _leading_shape(t: Any, trailing: int) -> tuple[Any, ...]:
+    """The sizes of ``t``'s axes before its last ``trailing`` ones (dynamic where unknown)."""
+    return tuple(ops.shape(t)[: len(t.shape) - trailing])
+
+
+def _unflatten(t: Any, lead: tuple[Any, ...]) -> Any:
+    """``t`` ``(N, *rest)`` reshaped to ``(*lead, *rest)``."""
     return ops.reshape(t, (*lead, *t.shape[1:]))
 
 
@@ -128,7 +132,9 @@ class Saved(NamedTuple):
 
     x: Any
     w: Any
-    x_like: Any = None  # the unflattened input (its shape restores dx's leading axes)
+    # The input's leading axes, which dx gets back: its shape only, so the high-precision input
+    # itself is not kept alive for the backward pass.
+    x_lead: tuple[Any, ...] = ()
 
 
 def _operand(saved: Any) -> Any:
@@ -191,9 +197,11 @@ def forward(
         y = ops.einsum(plan.equation, _operand(xq), _operand(wq))
     else:
         y = ops.einsum(plan.equation, x, ops.cast(w, x.dtype))
+    x_lead: tuple[Any, ...] = ()
     if plan.flat_rank is not None:
-        y = _unflatten(y, x_full, plan.flat_rank)
-    saved = Saved(x=xq if wgrad else x, w=wq if dgrad else w, x_like=x_full)
+        x_lead = _leading_shape(x_full, plan.flat_rank)
+        y = _unflatten(y, x_lead)
+    saved = Saved(x=xq if wgrad else x, w=wq if dgrad else w, x_lead=x_lead)
     return ops.cast(y, out_dtype), saved, ops.stack([x_amax, w_amax, zero])
 
 
@@ -228,5 +236,5 @@ def backward(
     dx = ops.einsum(plan.dgrad_equation, dyq if dgrad else dy32, _operand(saved.w))
     dw = ops.einsum(plan.wgrad_equation, _operand(saved.x), dyq if wgrad else dy32)
     if plan.flat_rank is not None:
-        dx = _unflatten(dx, saved.x_like, plan.flat_rank)
+        dx = _unflatten(dx, saved.x_lead)
     return ops.cast(dx, x_dtype), ops.cast(dw, w_dtype), ops.stack([dy_amax, zero])

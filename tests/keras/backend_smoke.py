@@ -76,6 +76,7 @@ def torch_backend() -> None:
     counts = keras.ops.convert_to_numpy(model.layers[0].fp8_state.fwd_count)
     np.testing.assert_array_equal(counts, [2, 2, 0])
     reused_layer_backward_keeps_its_forward_scales()
+    backward_keeps_no_high_precision_input()
 
 
 def reused_layer_backward_keeps_its_forward_scales() -> None:
@@ -91,6 +92,25 @@ def reused_layer_backward_keeps_its_forward_scales() -> None:
     y1, y2 = layer(x1, training=True), layer(x2, training=True)
     ((y1 * 0.3).sum() + (y2 * 1000.0).sum()).backward()
     np.testing.assert_array_equal(x1.grad.numpy(), [[0.3125, 0.3125]])
+
+
+def backward_keeps_no_high_precision_input() -> None:
+    """SPEC section 4: only FP8 copies are saved for backward, not the input itself (a 3-D
+    input, which the GEMM flattens and dx gets its shape back from)."""
+    import gc
+    import weakref
+
+    import torch
+
+    layer = f8.Dense(32, use_bias=False, recipe=RECIPE)
+    layer.build((None, 5, 16))
+    x = torch.randn(4, 5, 16)
+    alive = weakref.ref(x)
+    y = layer(x, training=True)
+    del x
+    gc.collect()
+    assert alive() is None, "the high-precision input is kept for the backward pass"
+    y.sum().backward()
 
 
 def jax_backend() -> None:
