@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -86,4 +87,23 @@ def convert_model(
     for old, new in pairs:
         if old.built and new.built:
             _copy_weights(old, new)
+    _warn_about_nested_layers(converted, {id(new) for _, new in pairs})
     return converted
+
+
+def _warn_about_nested_layers(model: keras.Model, cloned: set[int]) -> None:
+    """Warn about Dense / EinsumDense layers that live inside other layers (the projections of
+    ``MultiHeadAttention``, a ``TimeDistributed`` wrapper's layer): Keras clones a model's
+    layers, not their sublayers, so those stay in high precision."""
+    nested = [
+        layer.name
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if type(layer) in _FP8_CLASS and id(layer) not in cloned
+    ]
+    if nested:
+        warnings.warn(
+            f"fp8kit.keras.convert_model: {len(nested)} Dense / EinsumDense layer(s) inside "
+            f"other layers stay in high precision ({', '.join(nested)}): only a model's own "
+            "layers can be swapped; build such blocks from fp8kit.keras.Dense / EinsumDense",
+            stacklevel=2,
+        )

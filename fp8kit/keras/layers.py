@@ -15,6 +15,7 @@ added as Keras does. The FP8 state is seven non-trainable float32 variables per 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import keras
@@ -26,6 +27,8 @@ from fp8kit.keras.gemm import GemmPlan, plan_einsum
 from fp8kit.keras.quantization import FP8_DTYPE_NAMES
 from fp8kit.keras.state import STATE_VARIABLES, Fp8State
 from fp8kit.recipe import Recipe, recipe_from_dict
+
+logger = logging.getLogger("fp8kit")
 
 __all__ = ["Dense", "EinsumDense"]
 
@@ -135,6 +138,17 @@ class _Fp8LayerMixin:
         self._save_fp8(store)
 
     def load_own_variables(self, store: Any) -> None:
+        plain = [v for v in (self.kernel, self.bias) if v is not None]  # type: ignore[attr-defined]
+        if self.fp8_state is not None and len(store.keys()) == len(plain):
+            # Weights saved from the plain Keras layer (the drop-in swap): kernel and bias, and
+            # the FP8 state starts fresh, as for a never-converted checkpoint in fp8kit.torch.
+            for k, var in enumerate(plain):
+                var.assign(store[str(k)])
+            logger.info(
+                "fp8kit: layer %r loaded weights without FP8 state; its FP8 state starts fresh",
+                self.name,  # type: ignore[attr-defined]
+            )
+            return
         super().load_own_variables(store)  # type: ignore[misc]
         self._load_fp8(store)
 

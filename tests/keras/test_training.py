@@ -118,6 +118,25 @@ def test_keras_file_and_tf_checkpoint_keep_the_state(rng, tmp_path) -> None:
             np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
 
 
+def test_weights_of_the_plain_keras_model_load_into_the_fp8_one(rng, tmp_path) -> None:
+    """The drop-in swap: weights saved from the same model built with keras.layers.Dense load
+    into the f8.Dense model (kernels and biases), whose FP8 state starts fresh."""
+
+    def build(layer: type) -> keras.Model:
+        return keras.Sequential([keras.Input((8,)), layer(6, activation="relu"), layer(2)])
+
+    plain = build(keras.layers.Dense)
+    plain.save_weights(tmp_path / "plain.weights.h5")
+    with f8.autocast(recipe=RECIPE):
+        fp8 = build(f8.Dense)
+    fp8.load_weights(tmp_path / "plain.weights.h5")
+    for a, b in zip(plain.layers, fp8.layers, strict=True):
+        np.testing.assert_array_equal(a.kernel.numpy(), b.kernel.numpy())
+        np.testing.assert_array_equal(a.bias.numpy(), b.bias.numpy())
+        history, scale, count = state_arrays(b)[:3]
+        assert not history.any() and not count.any() and scale.tolist() == [1.0, 1.0, 1.0]
+
+
 def test_weights_of_another_history_length_are_resized_with_a_warning(rng, tmp_path) -> None:
     model = mlp()
     step = train_step_fn(model.get_layer("fc2"))
@@ -207,6 +226,18 @@ def test_convert_model_keeps_the_trained_state_of_fp8_layers(rng) -> None:
     for a, b in zip(trained, state_arrays(again.layers[0]), strict=True):
         np.testing.assert_array_equal(a, b)
     assert isinstance(again.layers[1], f8.Dense)
+
+
+def test_convert_model_names_the_dense_layers_it_cannot_reach() -> None:
+    inputs = keras.Input((5, 16))
+    h = keras.layers.MultiHeadAttention(num_heads=2, key_dim=8)(inputs, inputs)
+    h = keras.layers.TimeDistributed(keras.layers.Dense(16, name="inner"))(h)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(h))
+    with pytest.warns(UserWarning, match=r"5 Dense / EinsumDense layer\(s\) inside other") as got:
+        converted = f8.convert_model(model, recipe=RECIPE)
+    message = str(got[0].message)
+    assert all(name in message for name in ("query", "key", "value", "attention_output", "inner"))
+    assert isinstance(converted.get_layer("head"), f8.Dense)
 
 
 def test_lora_with_an_fp8_recipe_is_refused_by_name() -> None:
