@@ -466,8 +466,8 @@ def sub_section(out_path: str) -> dict[str, Any]:
     for name in SUB_BENCHMARKS:
         try:
             module = importlib.import_module(f"benchmarks.{name}")
-        except ImportError as exc:
-            results[name] = f"skipped: {exc}"
+        except Exception as exc:  # JAX / Keras may fail to import in other ways than ImportError
+            results[name] = f"skipped: {type(exc).__name__}: {exc}"
             print(f"\n{name}: skipped: {exc}")
             continue
         print(f"\n## {name}\n", flush=True)

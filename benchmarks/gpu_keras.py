@@ -23,8 +23,10 @@ from benchmarks.bench_keras import BACKENDS, ROOT, _run_backend, table
 SIZES = ((4096, 2048), (8192, 4096))
 
 _PROBE = {
-    "tensorflow": "import tensorflow as tf; print(len(tf.config.list_physical_devices('GPU')))",
-    "jax": "import jax; print(sum(d.platform == 'gpu' for d in jax.devices()))",
+    "tensorflow": (
+        "import keras, tensorflow as tf; print(len(tf.config.list_physical_devices('GPU')))"
+    ),
+    "jax": "import keras, jax; print(sum(d.platform == 'gpu' for d in jax.devices()))",
 }
 
 

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # bench-gpu on a lent GPU machine (no venv, nothing installable there; docs/benchmarks.md):
-#   bash benchmarks/gpu_run.sh [all|tests|bench] [benchmarks.gpu options, e.g. --quick]
+#   bash benchmarks/gpu_run.sh [all|tests|bench|bench-sub] [benchmarks.gpu options, e.g. --quick]
 # 1. installs the wheels carried in the ignored .whl/ folder (torchao) into /tmp/site;
-# 2. tests: python3 -m pytest -q -x tests/torch (at most $TEST_TIMEOUT s, default 240);
-# 3. bench: python3 -m benchmarks.gpu --out $OUT/gpu.json (sub-benchmarks' JSON beside it).
+# 2. tests: python3 -m pytest -q tests/torch (at most $TEST_TIMEOUT s, default 240), without the
+#    Triton-interpreter tests: the GPU runs the compiled kernels, and Triton 3.6's interpreter
+#    fails under numpy >= 2.4 (int() of a 1-element array);
+# 3. bench: python3 -m benchmarks.gpu --only linear,tiny,syncs,cast,gpt --out $OUT/gpu.json;
+#    bench-sub: the JAX / Keras / kernel sub-benchmarks (--only sub --out $OUT/gpu-sub.json).
 # Logs go to $OUT (./gpu-out without it): tests.log, bench.log, gpu.txt. One device call runs at
-# most 10 minutes: run "tests" and "bench" as two calls, or "all" with --quick.
+# most 10 minutes: run "tests", "bench" and "bench-sub" as three calls, or "all" with --quick.
 # Set FP8KIT_COMMIT to the commit hash when the copied tree has no .git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-all}"
 case "$mode" in
-  all | tests | bench) [ $# -gt 0 ] && shift ;;
+  all | tests | bench | bench-sub) [ $# -gt 0 ] && shift ;;
   -*) mode=all ;;
-  *) echo "gpu_run.sh: mode must be all, tests or bench, got '$mode'" >&2; exit 2 ;;
+  *) echo "gpu_run.sh: mode must be all, tests, bench or bench-sub, got '$mode'" >&2; exit 2 ;;
 esac
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
@@ -24,11 +27,16 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 status=0
-if [ "$mode" != bench ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -x tests/torch -p no:cacheprovider 2>&1 \
-    | tee "$out/tests.log" | tail -5 || status=$?
+if [ "$mode" = all ] || [ "$mode" = tests ]; then
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -ra tests/torch -k "not under_interpreter" \
+    -p no:cacheprovider 2>&1 | tee "$out/tests.log" | tail -30 || status=$?
 fi
-if [ "$mode" != tests ]; then
-  python3 -m benchmarks.gpu --out "$out/gpu.json" "$@" 2>&1 | tee "$out/bench.log" || status=$?
+if [ "$mode" = all ] || [ "$mode" = bench ]; then
+  python3 -m benchmarks.gpu --only linear,tiny,syncs,cast,gpt --out "$out/gpu.json" "$@" 2>&1 \
+    | tee "$out/bench.log" || status=$?
+fi
+if [ "$mode" = all ] || [ "$mode" = bench-sub ]; then
+  python3 -m benchmarks.gpu --only sub --out "$out/gpu-sub.json" "$@" 2>&1 \
+    | tee "$out/bench-sub.log" || status=$?
 fi
 exit "$status"
