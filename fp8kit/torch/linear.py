@@ -395,8 +395,16 @@ def fp8_linear(
         fp8_output / fp8_grad: pass the output / input gradient through FP8 (see ``Linear``).
 
     Returns:
-        ``(*, N)`` tensor of ``x.dtype``.
+        ``(*, N)`` tensor of ``x.dtype``, or of the autocast dtype inside ``torch.autocast``.
     """
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Under torch.autocast the GEMM computes in its dtype, as nn.Linear does there and
+        # Transformer Engine's modules do: input and bias are cast to it, so the output (and
+        # the FP8 input's amax) are those of the autocast-dtype input (docs/te_modules.md).
+        dtype = torch.get_autocast_dtype(device_type)
+        x = x.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
     if not run.fp8:  # calibration without FP8: record the amaxes, compute in high precision
         run.record_forward(x, fwd_slot(gemm, FwdSlot.INPUT))
         if cached_weight is None:

@@ -328,6 +328,35 @@ def test_double_backward_raises_instead_of_dropping_the_second_derivative() -> N
         (y.sum() + grads[1].square().sum()).backward()
 
 
+def test_under_torch_autocast_the_gemm_computes_in_its_dtype() -> None:
+    """torch.autocast(bfloat16) around float32 parameters: input and bias are cast to bfloat16
+    as nn.Linear's are there, so the step equals, bit for bit, the same layer fed a bfloat16
+    input with a bfloat16 bias outside torch.autocast; the gradients of the float32 leaves are
+    float32."""
+    torch.manual_seed(0)
+    layer = f8.Linear(32, 16)
+    twin = f8.Linear(32, 16)
+    with torch.no_grad():
+        twin.weight.copy_(layer.weight)
+    twin.bias = torch.nn.Parameter(layer.bias.detach().to(torch.bfloat16))
+    x = torch.randn(8, 32, requires_grad=True)
+    x16 = x.detach().to(torch.bfloat16).requires_grad_()
+    recipe = DelayedScaling(amax_history_len=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16), f8.autocast(recipe=recipe):
+        y = layer(x)
+    with f8.autocast(recipe=recipe):
+        y16 = twin(x16)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y16)
+    y.float().square().sum().backward()
+    y16.float().square().sum().backward()
+    assert x.grad.dtype == layer.weight.grad.dtype == layer.bias.grad.dtype == torch.float32
+    assert torch.equal(x.grad, x16.grad.float())
+    assert torch.equal(layer.weight.grad, twin.weight.grad)
+    for a, b in ((layer.fp8_meta.forward, twin.fp8_meta.forward),
+                 (layer.fp8_meta.backward, twin.fp8_meta.backward)):  # fmt: skip
+        assert torch.equal(a.amax_history, b.amax_history)
+
+
 def test_history_length_follows_the_recipe() -> None:
     layer = f8.Linear(16, 16)
     assert layer.fp8_meta.forward.amax_history.shape == (1024, 3)
