@@ -219,10 +219,8 @@ class StateRegistry:
         self._changed = True  # the layout must be re-checked across ranks
         self._verified: Layout | None = None  # the layout every rank last agreed on
         self._verified_pg: Any = None  # the process group object it was agreed over
-        # The reduction trailers of one layout on one device, keyed by the changed flag.
-        self._trailers: tuple[Layout | None, torch.device | None, dict[bool, torch.Tensor]] = (
-            None, None, {}
-        )  # fmt: skip
+        # The reduction trailers of the verified layout, by (changed flag, device).
+        self._trailers: dict[tuple[bool, torch.device], torch.Tensor] = {}
         self.pool = StatePool()
         self._nonfinite = NonfiniteWatch()
 
@@ -289,6 +287,7 @@ class StateRegistry:
             layout, self.group, distributed.collective_device(self.group, device)
         )
         self._verified, self._verified_pg, self._changed = layout, pg, False
+        self._trailers = {}
         return layout
 
     def _reduce(
@@ -304,7 +303,7 @@ class StateRegistry:
         Returns:
             The reduced staging row and whether any rank flagged a changed registry.
         """
-        trailer = self._trailer(layout, staging is None, device)
+        trailer = self._trailer(layout.fingerprint, staging is None, device)
         if staging is None:
             buffer = torch.cat([torch.zeros(layout.num_slots, device=device), trailer])
         else:
@@ -316,19 +315,16 @@ class StateRegistry:
             distributed.raise_event_mismatch(layout, self.group)
         return buffer[:-_TRAILER], flag > 0
 
-    def _trailer(self, layout: Layout, changed: bool, device: torch.device) -> torch.Tensor:
-        """``[changed flag, fingerprint, -fingerprint]`` of ``layout`` on ``device``, made once.
+    def _trailer(self, fingerprint: int, changed: bool, device: torch.device) -> torch.Tensor:
+        """``[changed flag, fingerprint, -fingerprint]`` of the verified layout on ``device``,
+        made once per layout (:meth:`_verify` forgets them).
 
         A tensor made from Python numbers at every event would be a copy from pageable host
         memory, which blocks the host on CUDA (docs/performance.md, "Host synchronisation")."""
-        cached_layout, cached_device, trailers = self._trailers
-        if cached_layout is not layout or cached_device != device:
-            trailers = {}
-            self._trailers = (layout, device, trailers)
-        trailer = trailers.get(changed)
+        trailer = self._trailers.get((changed, device))
         if trailer is None:
-            fp = float(layout.fingerprint)
-            trailer = trailers[changed] = torch.tensor(
+            fp = float(fingerprint)
+            trailer = self._trailers[changed, device] = torch.tensor(
                 [1.0 if changed else 0.0, fp, -fp], device=device
             )
         return trailer
