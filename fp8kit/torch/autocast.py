@@ -207,10 +207,6 @@ class _ThreadState(threading.local):
 _local = _ThreadState()
 
 
-def _stack() -> list[_Frame]:
-    return _local.stack
-
-
 def _settings_for(recipe: Recipe, group: Any, enabled: bool, calibrating: bool) -> _SettingsEntry:
     """This thread's settings for an active autocast of these arguments, with the forward queue
     its ``forward_states`` belongs to (None for current scaling: no forward event)."""
@@ -242,7 +238,7 @@ def _join(pending: _Pending, queue: _PendingUpdate) -> None:
 
 
 def _active_frame() -> _Frame | None:
-    stack = _stack()
+    stack = _local.stack
     if stack and stack[-1].enabled:
         return stack[-1]
     return None
@@ -255,7 +251,7 @@ def current_settings() -> FP8Settings | None:
     with ``calibrating=True`` runs high precision and records amaxes; a plain disabled one turns
     both off for its body.
     """
-    stack = _stack()
+    stack = _local.stack
     return stack[-1].settings if stack else None
 
 
@@ -299,7 +295,7 @@ def register_forward_state(
 def _owner_frame(stack: list[_Frame] | None = None) -> _Frame | None:
     """The outermost enabled frame of ``stack`` (default: this thread's), which runs the
     forward updates at its exit."""
-    for frame in _stack() if stack is None else stack:
+    for frame in _local.stack if stack is None else stack:
         if frame.owns_updates:
             return frame
     return None
