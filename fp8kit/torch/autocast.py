@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from fp8kit.torch.distributed import check_reduction_group
 from fp8kit.torch.plan import RecipePlan, plan_for
 from fp8kit.torch.state import ScalingState, update_states
 
@@ -345,14 +346,7 @@ class autocast(contextlib.ContextDecorator):
                 "calibrating=True needs a DelayedScaling recipe (current scaling keeps no scales "
                 f"to calibrate), got {type(recipe).__name__}"
             )
-        if amax_reduction_group is not None and not (
-            torch.distributed.is_available()
-            and isinstance(amax_reduction_group, torch.distributed.ProcessGroup)
-        ):
-            raise TypeError(
-                "amax_reduction_group must be None (the WORLD group) or a "
-                f"torch.distributed.ProcessGroup, got {type(amax_reduction_group).__name__}"
-            )
+        check_reduction_group("amax_reduction_group", amax_reduction_group)
         self.enabled = enabled
         self.recipe = recipe
         self.group = amax_reduction_group
@@ -473,6 +467,7 @@ def fp8_autocast(
     ``autocast(enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group,
     calibrating=calibrating)``.
     """
+    check_reduction_group("fp8_group", fp8_group)  # named as the caller spelled it
     return autocast(
         enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group, calibrating=calibrating
     )

@@ -134,13 +134,36 @@ def init_fp8_state(model: nn.Module, recipe: DelayedScaling | None = None) -> nn
     return model
 
 
-def _fp8_tensor_keys(model: nn.Module) -> list[str]:
-    """State-dict keys of every FP8 state tensor of ``model`` (histories, scales, counts)."""
+# Module attributes that wrap the real module and that torch's state-dict helpers
+# (torch.distributed.checkpoint.state_dict.get_model_state_dict) leave out of its keys:
+# torch.compile's OptimizedModule, FSDP1 and activation-checkpoint wrappers. (DDP / DataParallel
+# hold theirs as ``module``, left out only under those classes.)
+_WRAPPER_ATTRS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+_DATA_PARALLEL = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+
+
+def _unwrapped_name(model: nn.Module, name: str) -> str:
+    """``name`` (a submodule path of ``model``) without the wrapper attributes on its way, as
+    ``get_model_state_dict`` spells keys (DDP's ``module.0.fp8_meta`` -> ``0.fp8_meta``)."""
+    parts, module = [], model
+    for part in name.split(".") if name else ():
+        in_data_parallel = part == "module" and isinstance(module, _DATA_PARALLEL)
+        if not (part in _WRAPPER_ATTRS or in_data_parallel):
+            parts.append(part)
+        module = module._modules[part]  # type: ignore[assignment]
+    return ".".join(parts)
+
+
+def _fp8_tensor_keys(model: nn.Module) -> list[tuple[str, ...]]:
+    """The state-dict keys of every FP8 state tensor of ``model`` (histories, scales, counts),
+    each as its spellings: ``model.state_dict()``'s key, then ``get_model_state_dict``'s where
+    a wrapper (DDP, torch.compile, FSDP1) makes them differ."""
     keys = []
     for prefix, meta in fp8_metas(model):
+        spellings = dict.fromkeys((prefix, _unwrapped_name(model, prefix)))
         for name, value in meta.state_dict(keep_vars=True).items():
             if isinstance(value, torch.Tensor):  # persistent buffers (derived ones are not saved)
-                keys.append(f"{prefix}.{name}" if prefix else name)
+                keys.append(tuple(f"{p}.{name}" if p else name for p in spellings))
     return keys
 
 
@@ -164,15 +187,27 @@ def per_rank_fp8_state_dict(
     on both sides (save and load template) with the same world size.
 
     Args:
-        state_dict: ``model.state_dict()`` (or a DCP template built from it).
+        state_dict: ``model.state_dict()`` or ``get_model_state_dict(model)`` (or a DCP template
+            built from either).
         model: the module it came from (names FP8 state keys).
         rank: the suffix to use; default this process's rank (0 without torch.distributed).
+
+    Raises:
+        ValueError: if ``state_dict`` has none of ``model``'s FP8 state keys (a state dict of
+            another model: nothing would be keyed by rank).
     """
     r = _rank(rank)
     out = dict(state_dict)
-    for key in _fp8_tensor_keys(model):
-        if key in out:
-            out[f"{key}.rank{r}"] = out.pop(key)
+    spellings = _fp8_tensor_keys(model)
+    renamed = 0
+    for key in (k for keys in spellings for k in keys if k in out):
+        out[f"{key}.rank{r}"] = out.pop(key)
+        renamed += 1
+    if spellings and not renamed:
+        raise ValueError(
+            f"state_dict holds none of model's FP8 state keys (such as {spellings[0][-1]!r}): "
+            "pass the state dict of this model (model.state_dict() or get_model_state_dict(model))"
+        )
     return out
 
 
@@ -187,12 +222,12 @@ def from_per_rank_fp8_state_dict(
     """
     r = _rank(rank)
     out = dict(state_dict)
-    for key in _fp8_tensor_keys(model):
-        ranked = f"{key}.rank{r}"
-        if ranked not in out:
+    for keys in _fp8_tensor_keys(model):
+        key = next((k for k in keys if f"{k}.rank{r}" in out), None)
+        if key is None:
             raise KeyError(
-                f"{ranked!r} is missing: the state dict has no FP8 state for rank {r} (was it "
-                "saved with per_rank_fp8_state_dict and the same world size?)"
+                f"{keys[-1] + f'.rank{r}'!r} is missing: the state dict has no FP8 state for "
+                f"rank {r} (was it saved with per_rank_fp8_state_dict and the same world size?)"
             )
-        out[key] = out.pop(ranked)
+        out[key] = out.pop(f"{key}.rank{r}")
     return out

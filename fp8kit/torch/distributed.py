@@ -34,6 +34,7 @@ __all__ = [
     "Layout",
     "all_reduce_max",
     "check_layout",
+    "check_reduction_group",
     "group_size",
     "reduction_active",
     "resolve_group",
@@ -65,6 +66,29 @@ def group_size(group: Any) -> int:
     if not _initialized():
         return 1
     return int(_dist().get_world_size(group))
+
+
+def check_reduction_group(name: str, group: Any) -> None:
+    """Raise a TypeError naming the parameter ``name`` unless ``group`` is an amax reduction
+    group: None (WORLD), a ``torch.distributed.ProcessGroup``, or the value ``new_group`` hands
+    a rank outside the new group (``GroupMember.NON_GROUP_MEMBER``; such a rank never reduces,
+    as :func:`group_size` says)."""
+    if group is None:
+        return
+    dist = _dist()
+    if dist.is_available() and (isinstance(group, dist.ProcessGroup) or _is_non_member(group)):
+        return
+    raise TypeError(
+        f"{name} must be None (the WORLD group) or a torch.distributed.ProcessGroup (what "
+        f"torch.distributed.new_group returns, on member and non-member ranks), got "
+        f"{type(group).__name__} {group!r}"
+    )
+
+
+def _is_non_member(group: Any) -> bool:
+    """Whether ``group`` is ``new_group``'s answer on a rank outside the group (an int)."""
+    sentinel = _dist().GroupMember.NON_GROUP_MEMBER
+    return type(group) is type(sentinel) and group == sentinel
 
 
 def reduction_active(recipe: DelayedScaling, group: Any) -> bool:

@@ -29,6 +29,7 @@ from fp8kit.torch.autocast import (
     register_forward_state,
     schedule_backward_update,
 )
+from fp8kit.torch.distributed import check_reduction_group
 from fp8kit.torch.recompute import check_not_checkpointed
 from fp8kit.torch.state import FP8Meta, ScalingState, bind_recipe, pool_states
 from fp8kit.torch.state.buffers import buffer_generation
@@ -105,6 +106,7 @@ def make_graphed_callables(
         raise ValueError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters}")
     if not isinstance(allow_unused_input, bool):
         raise TypeError(f"allow_unused_input must be a bool, got {allow_unused_input!r}")
+    check_reduction_group("fp8_group", fp8_group)
 
     metas = [m for module in module_list for m in module.modules() if isinstance(m, FP8Meta)]
     states = [s for m in metas for s in (m.forward, m.backward)]

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling
@@ -379,6 +380,22 @@ def test_per_rank_keys_round_trip() -> None:
     assert back.keys() == sd.keys()
     with pytest.raises(KeyError, match="rank 2"):
         from_per_rank_fp8_state_dict(keyed, model, rank=2)
+
+
+def test_per_rank_keys_match_get_model_state_dict_of_a_wrapped_model() -> None:
+    """``get_model_state_dict`` leaves wrapper attributes (here torch.compile's ``_orig_mod``,
+    as DDP's ``module``) out of its keys: the FP8 keys are found under either spelling, and a
+    state dict of another model raises instead of being passed through unranked."""
+    model = torch.compile(f8.convert_model(mlp()))  # an OptimizedModule; nothing is compiled
+    for sd, prefix in ((model.state_dict(), "_orig_mod."), (get_model_state_dict(model), "")):
+        keyed = per_rank_fp8_state_dict(sd, model, rank=1)
+        assert f"{prefix}0.fp8_meta.forward.amax_history.rank1" in keyed
+        assert not any(k.endswith("fp8_meta.forward.scale") for k in keyed)
+        assert sum(k.endswith(".rank1") for k in keyed) == 2 * 2 * 3  # 2 layers x 2 dirs x 3
+        back = from_per_rank_fp8_state_dict(keyed, model, rank=1)
+        assert back.keys() == sd.keys()
+    with pytest.raises(ValueError, match=r"none of model's FP8 state keys .*amax_history"):
+        per_rank_fp8_state_dict(mlp().state_dict(), model, rank=1)
 
 
 def test_ddp_ignore_lists_fp8_buffers() -> None:

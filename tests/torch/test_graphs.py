@@ -206,6 +206,7 @@ def test_a_graphed_calibration_rolls_forward_scales_without_grad(emulated_graphs
         ({"num_warmup_iters": -1}, ValueError, "num_warmup_iters must be an int >= 0, got -1"),
         ({"num_warmup_iters": "3"}, TypeError, "num_warmup_iters must be an int >= 0"),
         ({"allow_unused_input": 2}, TypeError, "allow_unused_input must be a bool, got 2"),
+        ({"fp8_group": "world"}, TypeError, "fp8_group must be None .* got str"),
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict[str, Any], error: type, match: str) -> None:

@@ -306,7 +306,14 @@ def test_bad_input() -> None:
     with pytest.raises(TypeError, match=r"amax_reduction_group must be None .* got str"):
         f8.autocast(amax_reduction_group="world")
     with pytest.raises(TypeError, match=r"amax_reduction_group must be None .* got int"):
+        f8.autocast(amax_reduction_group=0)
+    with pytest.raises(TypeError, match=r"fp8_group must be None .* got int"):
         f8.fp8_autocast(fp8_group=0)
+    # What torch.distributed.new_group returns on a rank outside the group: that rank never
+    # reduces (docs/distributed.md), so the same call works on every rank.
+    outside = torch.distributed.GroupMember.NON_GROUP_MEMBER
+    with f8.autocast(amax_reduction_group=outside):
+        f8.Linear(16, 16)(torch.randn(4, 16)).sum().backward()
 
 
 def test_double_backward_raises_instead_of_dropping_the_second_derivative() -> None:
