@@ -15,6 +15,7 @@ for the next backward pass (see :mod:`fp8kit.torch.state.registry` for what an e
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -506,12 +507,27 @@ def _arm_backward_update(recipe: DelayedScaling, group: Any) -> None:
         _pending_entry(_backward_pending, recipe, group, "backward")
 
 
+def _in_compiled_autograd() -> bool:
+    """Whether this backward pass runs as a compiled-autograd graph (looked up without importing
+    torch._dynamo: it is imported by then if it does)."""
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
+
+
 def schedule_backward_update(state: ScalingState, recipe: DelayedScaling, group: Any) -> None:
     """Queue ``state`` for the backward update that runs when this backward pass ends."""
     global _backward_callback_task
     if _recorders:
         _recorders[-1].append(Enrolment(state, recipe, group, True))
         return
+    if _in_compiled_autograd():
+        raise RuntimeError(
+            "fp8kit: this backward pass runs under compiled autograd "
+            "(torch._dynamo.config.compiled_autograd), which never runs the engine callback "
+            "that holds fp8kit's backward update event, so the gradient scales would never "
+            "update. Run the backward pass without compiled autograd (docs/performance.md, "
+            "torch.compile)"
+        )
     task = torch._C._current_graph_task_id()
     with _backward_lock:
         _pending_entry(_backward_pending, recipe, group, "backward").states.setdefault(

@@ -32,6 +32,7 @@ __all__ = [
     "activation_checkpoint",
     "captures",
     "check_not_checkpointed",
+    "check_not_recomputed",
     "note_cast",
     "warn_if_recomputed_without_fp8",
 ]
@@ -75,7 +76,12 @@ def warn_if_recomputed_without_fp8(module: torch.nn.Module, ran_in_fp8: bool) ->
     """Warn when an FP8 module that has run under an autocast (``ran_in_fp8``) now runs without
     one, with grad enabled, inside a backward pass: the recomputation of a plain (reentrant)
     ``torch.utils.checkpoint``, which runs it in high precision instead of the forward's FP8."""
-    if ran_in_fp8 and torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+    if (
+        ran_in_fp8
+        and torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()  # a trace cannot ask the engine (a graph break)
+        and torch._C._current_graph_task_id() != -1
+    ):
         warnings.warn(
             f"{type(module).__name__} ran without f8.autocast inside a backward pass: "
             "torch.utils.checkpoint recomputes it in high precision, not in the FP8 of its "
@@ -96,8 +102,23 @@ def check_not_checkpointed(what: str) -> None:
     if active_replay() is not None or any(capture.thread == me for capture in captures):
         raise RuntimeError(
             f"{what} ran inside f8.activation_checkpoint: its casts read the live scales, so the "
-            "recomputation could not replay the forward's. Checkpoint eager FP8 modules, or "
-            "checkpoint inside the compiled or graphed function instead"
+            "recomputation could not replay the forward's. Checkpoint eager FP8 modules only "
+            "(docs/semantics.md section 11)"
+        )
+
+
+def check_not_recomputed(what: str) -> None:
+    """Raise if a forward cast (``what``) runs inside a backward pass: a compiled graph that
+    recomputes it there (``torch.utils.checkpoint`` inside the compiled function, or the
+    partitioner's ``activation_memory_budget``) would read the scale the forward update event
+    already changed and record its amax a second time (docs/semantics.md section 11)."""
+    if torch._C._current_graph_task_id() != -1:
+        raise RuntimeError(
+            f"{what} recomputed an FP8 forward cast in the backward pass (torch.utils.checkpoint "
+            "inside a compiled function, or torch._functorch.config.activation_memory_budget "
+            "below 1): the recomputation would read the updated scales and record the amaxes "
+            "again. Checkpoint eager FP8 modules with f8.activation_checkpoint instead "
+            "(docs/semantics.md section 11)"
         )
 
 

@@ -17,7 +17,7 @@ import torch
 from fp8kit.torch.autocast import enrol, event_of
 from fp8kit.torch.plan import plan_for
 from fp8kit.torch.quantization import Float8Tensor, nan_ignoring_amax
-from fp8kit.torch.recompute import check_not_checkpointed
+from fp8kit.torch.recompute import check_not_checkpointed, check_not_recomputed
 from fp8kit.torch.slot_cast import quantize_slot
 from fp8kit.torch.state import FP8Meta, bind_state_if_needed
 from fp8kit.torch.state.buffers import state_by_uid
@@ -63,6 +63,7 @@ def _quantize_slot_op(
     """
     if not backward:
         check_not_checkpointed("a torch.compile'd FP8 module")
+        check_not_recomputed("torch.compile")
     plan = plan_for(event_of(event_key)[0])
     state = state_by_uid(backward_uid if backward else forward_uid)
     if plan.delayed:
@@ -111,6 +112,7 @@ def _record_slot_op(
     fold ``max |x|`` (NaN ignored) into the live forward state's staging entry ``slot``, enrol
     when ``enrol_state``. ``token``: the forward state's ``op_token``."""
     check_not_checkpointed("a torch.compile'd FP8 module")
+    check_not_recomputed("torch.compile")
     recipe = event_of(event_key)[0]
     state = state_by_uid(forward_uid)
     for uid in (forward_uid, backward_uid):

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import copy
 import gc
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
@@ -365,3 +370,90 @@ def test_casts_only_one_pass_uses_stay_in_the_forward(
 
     eager, _ = _train_side_by_side(make, step, inputs)
     assert eager.fp8_meta.forward.update_count.tolist()[:2] == [4, 4]
+
+
+def test_fullgraph_as_the_processs_first_fp8_call() -> None:
+    """A compiled call that is the process's first FP8 GEMM traces with ``fullgraph=True`` (it
+    used to trace into the native library's loading lock) and matches eager. In a fresh process:
+    this one has long loaded the library."""
+    code = """
+        import copy, torch
+        import fp8kit.torch as f8
+        from fp8kit.recipe import DelayedScaling
+        torch.manual_seed(0)
+        model = f8.Linear(32, 32)
+        twin = copy.deepcopy(model)
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        x = torch.randn(8, 32)
+        for m in (compiled, twin):
+            with f8.autocast(recipe=DelayedScaling(amax_history_len=4)):
+                y = m(x)
+            y.sum().backward()
+        assert torch.equal(model.weight.grad, twin.weight.grad)
+        assert torch.equal(model.fp8_meta.forward.scale, twin.fp8_meta.forward.scale)
+        print("same", model.fp8_meta.forward.update_count.tolist())
+    """
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "same [1, 1, 0]"
+
+
+class _Checkpointed(torch.nn.Module):
+    """Two FP8 Linears under ``torch.utils.checkpoint`` (what a compiled graph recomputes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = f8.Linear(32, 32), f8.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(
+            lambda t: self.b(torch.relu(self.a(t))), x, use_reentrant=False
+        )
+
+
+def test_a_compiled_recomputation_of_fp8_casts_raises() -> None:
+    """A compiled graph that recomputes forward casts in backward would read the updated scales
+    and record the amaxes again (silently wrong gradients and state): it raises instead."""
+    torch.manual_seed(0)
+    compiled = torch.compile(_Checkpointed(), fullgraph=True, backend="aot_eager")
+    with f8.autocast(recipe=RECIPES["delayed"]):
+        y = compiled(torch.randn(8, 32, requires_grad=True))
+    with pytest.raises(RuntimeError, match="recomputed an FP8 forward cast in the backward"):
+        y.sum().backward()
+
+
+def test_compiled_autograd_raises_instead_of_never_updating() -> None:
+    """Compiled autograd never runs the engine callback holding the backward update event, so
+    the gradient scales would never move: the first FP8 backward cast says so."""
+    torch.manual_seed(0)
+    model = f8.Linear(32, 16)
+    with torch._dynamo.config.patch(compiled_autograd=True):  # torch.compile reads it here
+
+        @torch.compile(backend="aot_eager")
+        def backward(loss: torch.Tensor) -> None:
+            loss.backward()
+
+    with f8.autocast(recipe=RECIPES["delayed"]):
+        y = model(torch.randn(8, 32))
+    with pytest.raises(Exception, match="compiled autograd"):
+        backward(y.square().mean())
+    assert model.fp8_meta.backward.update_count.tolist() == [0, 0]
+
+
+def test_high_precision_call_traces_after_fp8_steps() -> None:
+    """Outside an autocast a module that has run in FP8 is a plain Linear, compiled with
+    ``fullgraph=True`` too (the recomputation warning's engine query used to break the graph)."""
+    torch.manual_seed(0)
+    model = f8.Linear(32, 16)
+    with f8.autocast(recipe=RECIPES["delayed"]):
+        model(torch.randn(8, 32)).sum().backward()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(8, 32, requires_grad=True)
+    expected = torch.nn.functional.linear(x, model.weight, model.bias)
+    assert torch.equal(compiled(x), expected)

@@ -218,6 +218,10 @@ def load_native() -> _Lib | None:
         return _state["lib"]  # type: ignore[return-value]
 
 
+# Constant for the process once asked; torch.compile calls it while tracing instead of tracing
+# into load_native's lock, which fails a fullgraph trace that is the process's first use
+# (docs/decisions/0233-torch-compile.md).
+@torch.compiler.assume_constant_result
 def native_available() -> bool:
     """True when the native CPU kernel is built and loaded (builds it on first call)."""
     return load_native() is not None
