@@ -59,6 +59,32 @@ def test_state_dict_keys_shapes_and_weights_only_load() -> None:
     assert recipe_from_dict(extra["recipe"]) == RECIPE
 
 
+def test_saved_fp8_state_is_contiguous_and_holds_only_its_own_values() -> None:
+    """The states of both layers share one pool, whose ``(L, N)`` history they view column-wise.
+    A state dict holds contiguous copies of exactly their size (broadcasts of a state dict and
+    safetensors need contiguous tensors; a view would save the whole pool), equal to the
+    buffers; ``keep_vars=True`` still gives the buffers themselves."""
+    model = _model()
+    _steps(model, 2, seed=1)
+    sd = model.state_dict()
+    pooled = model[0].fp8_meta.forward.amax_history
+    assert not pooled.is_contiguous()  # the premise: a column view of the shared pool
+    for name, live in model.state_dict(keep_vars=True).items():
+        if "fp8_meta" not in name or not isinstance(live, torch.Tensor):
+            continue
+        saved = sd[name]
+        assert saved.is_contiguous(), name
+        assert saved.untyped_storage().nbytes() == saved.numel() * saved.element_size(), name
+        assert torch.equal(saved, live), name
+        assert saved.data_ptr() != live.data_ptr(), name
+    assert model.state_dict(keep_vars=True)["0.fp8_meta.forward.amax_history"] is pooled
+    fresh = _model(seed=5)
+    fresh.load_state_dict(_roundtrip(sd))
+    for name, value in fresh.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, sd[name]), name
+
+
 def test_resume_in_a_fresh_model_is_bit_identical() -> None:
     a = _model(seed=0)
     _steps(a, 3, seed=2)

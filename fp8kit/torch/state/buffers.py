@@ -322,6 +322,22 @@ class ScalingState(nn.Module):
             )
         self.recipe_data = state.get("recipe")
 
+    def _save_to_state_dict(
+        self, destination: dict[str, Any], prefix: str, keep_vars: bool
+    ) -> None:
+        """Saved buffers are contiguous copies, not the pool views the state trains with
+        (``keep_vars=True`` still gives the buffers themselves): a view of the pool's ``(L, N)``
+        history is not contiguous, which ``torch.distributed``'s broadcasts of a state dict and
+        safetensors do not take, and it would save the storage of the whole pool
+        (docs/decisions/0242-review-fixes-seventh-session.md)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if keep_vars:
+            return
+        for name, buffer in self._buffers.items():
+            key = prefix + name
+            if buffer is not None and key in destination:
+                destination[key] = buffer.detach().clone(memory_format=torch.contiguous_format)
+
     def _load_from_state_dict(
         self,
         state_dict: dict[str, Any],
