@@ -13,7 +13,7 @@ from fp8kit.torch.checkpoint import (
     per_rank_fp8_state_dict,
     plain_state_dict,
 )
-from fp8kit.torch.convert import convert_model
+from fp8kit.torch.convert import convert_model, label_fp8_modules
 from fp8kit.torch.ddp import ddp_ignore_fp8_state
 from fp8kit.torch.distributed import AmaxReductionError
 from fp8kit.torch.gemm import Fp8GemmContractError, fp8_matmul, scaled_mm
@@ -55,6 +55,7 @@ __all__ = [
     "from_per_rank_fp8_state_dict",
     "init_fp8_state",
     "is_fp8_enabled",
+    "label_fp8_modules",
     "make_graphed_callables",
     "per_rank_fp8_state_dict",
     "plain_state_dict",

@@ -14,15 +14,26 @@ import torch
 from torch import nn
 
 from fp8kit.torch.attention import MultiheadAttention, to_fp8_attention
-from fp8kit.torch.checkpoint import summarize_fresh_fp8_state
+from fp8kit.torch.checkpoint import fp8_metas, summarize_fresh_fp8_state
 from fp8kit.torch.linear import Linear
 from fp8kit.torch.quantization import HIGH_PRECISION_DTYPES
 from fp8kit.torch.state import FP8Meta
 
-__all__ = ["convert_model"]
+__all__ = ["convert_model", "label_fp8_modules"]
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 logger = logging.getLogger("fp8kit")
+
+
+def label_fp8_modules(model: nn.Module) -> nn.Module:
+    """Name every FP8 module of ``model`` by its qualified name in ``model`` (``blocks.3.fc1``)
+    in fp8kit's messages: the ``NonfiniteAmaxWarning``, layout and pool errors. A module built
+    directly is otherwise named by its type and sizes (``Linear(64, 32)``), which does not tell
+    same-shaped layers apart. :func:`convert_model` calls it. Returns ``model``."""
+    for name, meta in fp8_metas(model):
+        owner = name.rpartition(".")[0]  # the module holding ``fp8_meta``
+        meta.set_label(owner or type(model).__name__)
+    return model
 
 
 def _to_fp8_linear(old: nn.Linear, fqn: str) -> Linear:
@@ -162,12 +173,13 @@ def convert_model(
         ``model`` itself, or a new FP8 module when ``model`` is a bare ``nn.Linear`` or
         ``nn.MultiheadAttention``. Parameters are the same objects as before (no copy), so
         existing optimizers keep working; a module shared by several parents stays one (FP8)
-        module. Each converted module's FP8 state is labelled with its qualified name (warnings
-        name it). The ``fp8kit`` logger lists the converted modules and every Linear-like module
-        left, with the reason (INFO); a later ``load_state_dict`` of a checkpoint without FP8
-        state logs one line for all of it (:func:`~fp8kit.torch.checkpoint.plain_state_dict`
-        goes the other way). PyTorch's fused encoder fast path, which would bypass
-        FP8 submodules in eval, is off inside ``f8.autocast`` (docs/te_modules.md).
+        module. Every FP8 module's state is labelled with its qualified name (warnings name it;
+        :func:`label_fp8_modules`). The ``fp8kit`` logger lists the converted modules and every
+        Linear-like module left, with the reason (INFO); a later ``load_state_dict`` of a
+        checkpoint without FP8 state logs one line for all of it
+        (:func:`~fp8kit.torch.checkpoint.plain_state_dict` goes the other way). PyTorch's fused
+        encoder fast path, which would bypass FP8 submodules in eval, is off inside
+        ``f8.autocast`` (docs/te_modules.md).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -182,7 +194,7 @@ def convert_model(
         logger.info(
             "fp8kit.convert_model: converted the model itself (an nn.%s)", type(model).__name__
         )
-        return summarize_fresh_fp8_state(_to_fp8(model, ""))
+        return summarize_fresh_fp8_state(label_fp8_modules(_to_fp8(model, "")))
     converted: list[str] = []
     left: list[str] = []
     reasons: dict[str, str] = {}
@@ -236,4 +248,4 @@ def convert_model(
         logger.warning(
             "fp8kit.convert_model: keep_high_precision pattern(s) %s matched no module", unused
         )
-    return summarize_fresh_fp8_state(model)
+    return summarize_fresh_fp8_state(label_fp8_modules(model))

@@ -41,6 +41,29 @@ def test_inf_amax_is_counted_and_warned_once_per_module() -> None:
     assert layer.fp8_meta.backward.nonfinite_count.tolist() == [0, 0]
 
 
+def test_same_shaped_modules_each_get_their_warning_naming_them() -> None:
+    """Two directly built, same-shaped layers: under Python's default filter (one warning per
+    text and place) each still gets its own warning, and after label_fp8_modules each names its
+    path in the model."""
+    torch.manual_seed(0)
+    recipe = DelayedScaling(amax_history_len=3)
+    x = torch.randn(8, 16) * float("inf")
+    for labelled in (False, True):
+        model = torch.nn.ModuleDict({"left": f8.Linear(16, 16), "right": f8.Linear(16, 16)})
+        if labelled:
+            assert f8.label_fp8_modules(model) is model
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            with f8.autocast(recipe=recipe):
+                y = model["left"](x) + model["right"](x)
+            y.sum().backward()
+        texts = [str(w.message) for w in caught if w.category is NonfiniteAmaxWarning]
+        assert len(texts) == 2, texts
+        if labelled:
+            assert "of left.forward (slot INPUT)" in texts[0]
+            assert "of right.forward (slot INPUT)" in texts[1]
+
+
 def test_a_new_module_in_a_rebuilt_pool_still_warns() -> None:
     """The watch forgets the columns of a rebuilt pool: a module that replaces one which already
     saw an inf (same recipe, same pool shape) is warned about its own first inf."""
