@@ -161,6 +161,15 @@ class Layout:
         """Length of the concatenated staging row."""
         return sum(self.slot_counts)
 
+    @property
+    def padding(self) -> int:
+        """Zeros a reduction buffer carries after the staging row: a backward row (2 slots per
+        GEMM) is padded to a forward row's length (3 per GEMM), so ranks at a forward and a
+        backward event of the same modules (one skipped a backward pass) all-reduce buffers of
+        one size and the fingerprint names the mismatch. Buffers of different sizes would abort
+        gloo or hang NCCL instead (docs/distributed.md, "What breaking a rule does")."""
+        return self.num_slots // 2 if self.direction == "backward" else 0
+
     @functools.cached_property
     def fingerprint(self) -> int:
         """24-bit checksum of the whole layout (exact in float32)."""

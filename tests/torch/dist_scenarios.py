@@ -263,6 +263,27 @@ def scenario_mismatch_later_step(rank: int, world: int, workdir: str) -> dict[st
     return {"message": message}
 
 
+def scenario_skipped_backward(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """Rank 0 skips the backward pass of step 1 (a rank-local "skip on a NaN loss"): it reaches
+    the next forward event while rank 1 is at the backward event. Both raise the layout error,
+    where buffers of different sizes used to abort gloo."""
+    torch.manual_seed(0)
+    a = f8.Linear(16, 16)
+    recipe = _recipe(19)
+    message = None
+    try:
+        for step in range(3):
+            with f8.autocast(recipe=recipe):
+                y = a(_x(1.0))
+            if not (step == 1 and rank == 0):
+                y.sum().backward()
+    except AmaxReductionError as exc:
+        message = str(exc)
+    del a
+    _cleanup()
+    return {"message": message}
+
+
 def scenario_registry_changes(rank: int, world: int, workdir: str) -> dict[str, Any]:
     """A module added on all ranks in step 2 and deleted in step 4: re-checked, no error."""
     torch.manual_seed(0)
@@ -569,6 +590,9 @@ SCENARIOS_2 = [
     scenario_dcp_fsdp2,
     scenario_dcp_per_rank,
     scenario_example,
+    # Last: rank 0 keeps the backward event its unfinished step armed (the ranks are out of
+    # step for good after this error), which would run in a later scenario's backward pass.
+    scenario_skipped_backward,
 ]
 SCENARIOS_4 = [scenario_moe, scenario_mismatch_first_step]
 

@@ -194,6 +194,14 @@ def test_module_first_run_on_one_rank_later_raises_on_every_rank(two: list) -> N
         assert "rank 1 registered 2 FP8 modules " in message
 
 
+def test_a_skipped_backward_pass_raises_on_every_rank(two: list) -> None:
+    messages = [res["message"] for res in scenario_result(two, "scenario_skipped_backward")]
+    for message in messages:
+        assert message is not None
+        assert "at different update events (forward vs backward)" in message
+    assert messages[0] == messages[1]
+
+
 def test_registry_change_on_all_ranks_is_rechecked(two: list) -> None:
     per_rank = scenario_result(two, "scenario_registry_changes")
     assert per_rank[0]["steps"] == per_rank[1]["steps"]

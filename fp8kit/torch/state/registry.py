@@ -303,7 +303,7 @@ class StateRegistry:
         Returns:
             The reduced staging row and whether any rank flagged a changed registry.
         """
-        trailer = self._trailer(layout.fingerprint, staging is None, device)
+        trailer = self._trailer(layout, staging is None, device)
         if staging is None:
             buffer = torch.cat([torch.zeros(layout.num_slots, device=device), trailer])
         else:
@@ -313,20 +313,19 @@ class StateRegistry:
         fp = float(layout.fingerprint)
         if high != fp or -neg_low != fp:
             distributed.raise_event_mismatch(layout, self.group)
-        return buffer[:-_TRAILER], flag > 0
+        return buffer[: layout.num_slots], flag > 0
 
-    def _trailer(self, fingerprint: int, changed: bool, device: torch.device) -> torch.Tensor:
-        """``[changed flag, fingerprint, -fingerprint]`` of the verified layout on ``device``,
-        made once per layout (:meth:`_verify` forgets them).
+    def _trailer(self, layout: Layout, changed: bool, device: torch.device) -> torch.Tensor:
+        """``layout.padding`` zeros, then ``[changed flag, fingerprint, -fingerprint]`` of the
+        verified layout, on ``device``; made once per layout (:meth:`_verify` forgets them).
 
         A tensor made from Python numbers at every event would be a copy from pageable host
         memory, which blocks the host on CUDA (docs/performance.md, "Host synchronisation")."""
         trailer = self._trailers.get((changed, device))
         if trailer is None:
-            fp = float(fingerprint)
-            trailer = self._trailers[changed, device] = torch.tensor(
-                [1.0 if changed else 0.0, fp, -fp], device=device
-            )
+            fp = float(layout.fingerprint)
+            values = [0.0] * layout.padding + [1.0 if changed else 0.0, fp, -fp]
+            trailer = self._trailers[changed, device] = torch.tensor(values, device=device)
         return trailer
 
     def run_event(
