@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from fp8kit.demo.cli import main as demo_main  # noqa: E402
 from fp8kit.demo.corpus import CorpusError, load_corpus, stdlib_files  # noqa: E402
 from fp8kit.demo.precision import Bf16Emulation  # noqa: E402
 from fp8kit.demo.report import RunInfo, speed_note  # noqa: E402
-from fp8kit.demo.train import TrainConfig, batch_offsets, lr_at  # noqa: E402
+from fp8kit.demo.train import RunResult, TrainConfig, batch_offsets, lr_at  # noqa: E402
 
 PNGS = ("loss.png", "fp8_amax_scale.png", "fp8_saturation_flush.png")
 
@@ -157,6 +158,93 @@ def test_bad_corpus_and_out_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture
     assert code == 2 and "not a folder" in err
     code, err = _run_cli(["--out", str(a_file / "sub")], capsys)
     assert code == 2 and "cannot write to folder" in err and "Traceback" not in err
+
+
+def _stated_minimum(message: str) -> int:
+    match = re.search(r"needs at least (\d+) \(", message)
+    assert match, message
+    return int(match.group(1))
+
+
+def test_corpus_minimum_in_the_message_is_exact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The size the error names is the boundary: one byte less is rejected, that many runs."""
+    for min_bytes in (34, 130):
+        short = tmp_path / f"short{min_bytes}.txt"
+        short.write_bytes(b"x" * (9 * min_bytes))
+        with pytest.raises(CorpusError) as info:
+            load_corpus(short, min_bytes=min_bytes)
+        need = _stated_minimum(str(info.value))
+        assert f"each part must hold at least {min_bytes} bytes" in str(info.value)
+        short.write_bytes(b"x" * (need - 1))
+        with pytest.raises(CorpusError):
+            load_corpus(short, min_bytes=min_bytes)
+        short.write_bytes(b"x" * need)
+        corpus = load_corpus(short, min_bytes=min_bytes)
+        assert min(corpus.train.numel(), corpus.val.numel()) >= min_bytes
+    # The same boundary through the command line (--quick: 32-byte context).
+    text = tmp_path / "tiny.txt"
+    text.write_text("print('hi')\n")
+    code, err = _run_cli(["--quick", "--corpus", str(text), "--out", str(tmp_path / "o")], capsys)
+    need = _stated_minimum(err)
+    assert code == 2 and "context" not in err
+    args = ["--quick", "--steps", "1", "--variants", "fp32", "--device", "cpu"]
+    text.write_bytes((b"ab" * need)[: need - 1])
+    code, err = _run_cli([*args, "--corpus", str(text), "--out", str(tmp_path / "a")], capsys)
+    assert code == 2 and f"holds {need - 1} bytes" in err
+    text.write_bytes((b"ab" * need)[:need])
+    assert demo_main([*args, "--corpus", str(text), "--out", str(tmp_path / "b")]) == 0
+
+
+def test_rejected_run_leaves_no_output_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out is created only once the inputs are valid: a bad corpus leaves nothing behind."""
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("print('hi')\n")
+    out = tmp_path / "new" / "out"
+    code, err = _run_cli(["--quick", "--corpus", str(tiny), "--out", str(out)], capsys)
+    assert code == 2 and "needs at least" in err
+    assert not (tmp_path / "new").exists()
+    # An --out under a file still fails at once, before the corpus is read.
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    code, err = _run_cli(["--corpus", str(tiny), "--out", str(a_file / "sub")], capsys)
+    assert code == 2 and "cannot write to folder" in err and "needs at least" not in err
+
+
+def test_tokens_per_s_leaves_out_inspected_steps() -> None:
+    """Median over the steps the inspector did not sample; none left: n/a (NaN), never a
+    figure that includes inspected steps."""
+    r = RunResult("fp8-delayed", "FP8", "", tokens_per_step=100)
+    r.step_time = [9.0, 1.0, 8.0, 3.0]
+    r.inspected = [True, False, True, False]
+    assert r.tokens_per_s == 100 / statistics.median([1.0, 3.0])
+    r.inspected = [True] * 4
+    assert math.isnan(r.tokens_per_s)
+
+
+def test_quick_run_tokens_per_s_is_that_of_steps_not_inspected(quick_run: Path) -> None:
+    """--quick inspects FP8 delayed scaling on some steps only, and its tokens/s is recomputed
+    from metrics.csv's uninspected step times (tokens per step from the uninspected fp32 run)."""
+    with open(quick_run / "metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["step_time_s"]]
+    summary = {
+        s["variant"]: s for s in json.loads((quick_run / "results.json").read_text())["summary"]
+    }
+
+    def times(variant: str, inspected: str) -> list[float]:
+        return [
+            float(r["step_time_s"])
+            for r in rows
+            if r["variant"] == variant and r["inspected"] == inspected
+        ]
+
+    assert times("fp8-delayed", "1") and not times("fp32", "1")
+    tokens_per_step = summary["fp32"]["tokens_per_s"] * statistics.median(times("fp32", "0"))
+    expected = tokens_per_step / statistics.median(times("fp8-delayed", "0"))
+    assert summary["fp8-delayed"]["tokens_per_s"] == pytest.approx(expected, rel=1e-9)
 
 
 def test_user_corpus_quick_run_without_fp32(

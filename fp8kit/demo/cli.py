@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import tempfile
 import time
@@ -148,21 +149,51 @@ def _variants(text: str) -> tuple[str, ...]:
     return tuple(v for v in VARIANTS if v in names)  # fixed order: fp32 first
 
 
+def _existing_ancestor(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (the current folder for a relative path)."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate
+    return Path.cwd()
+
+
 def _output_folder(text: str) -> Path:
-    """Create the folder if needed and prove it is writable."""
+    """Check that ``--out`` can be written to, creating nothing (a run whose other inputs turn
+    out to be bad must leave no folder behind; :func:`_make_output_folder` creates it)."""
     if not text.strip():
         raise UsageError("--out must not be empty")
     out = Path(text).expanduser()
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out: {text} exists and is not a folder")
+    if out.is_dir():
+        _prove_writable(out, text)
+        return out
+    base = _existing_ancestor(out)
+    if not base.is_dir():
+        raise UsageError(f"--out: cannot write to folder {text}: {base} is not a folder")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise UsageError(f"--out: cannot write to folder {text}: {base} is not writable")
+    return out
+
+
+def _prove_writable(out: Path, text: str) -> None:
+    """Create and delete a temporary file in the folder ``out`` (``text``: as the user typed)."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".fp8kit-write-test-"):
             pass
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise UsageError(f"--out: cannot write to folder {text}: {reason}") from None
-    return out
+
+
+def _make_output_folder(out: Path) -> None:
+    """Create ``--out`` once every input is known to be valid, before training starts."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise UsageError(f"--out: cannot write to folder {out}: {reason}") from None
+    _prove_writable(out, str(out))
 
 
 def _device(choice: str) -> str:
@@ -225,7 +256,7 @@ def _train_config(opts: Options) -> TrainConfig:
             warmup_steps=2,
             eval_every=max(1, opts.steps // 2),
             eval_windows=8,
-            inspect_every=1,
+            inspect_every=2,  # leaves steps that are not inspected for the tokens/s figure
             seed=opts.seed,
         )
     return replace(
@@ -329,6 +360,7 @@ def _run(opts: Options) -> int:
     bf16_mode, bf16_note = _decide_bf16(opts.bf16, "bf16" in opts.variants, opts.device)
     wants_fp8 = any(v.startswith("fp8") for v in opts.variants)
     variants = [make_variant(v, bf16_mode, opts.device) for v in opts.variants]
+    _make_output_folder(opts.out)  # only now: a rejected run leaves no empty folder behind
     params = GPT(model_cfg).num_parameters()
     _say(
         f"fp8kit demo: {len(variants)} variant(s) x {cfg.steps} steps of "

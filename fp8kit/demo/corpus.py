@@ -94,6 +94,25 @@ def _user_files(path: Path) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(path).as_posix())
 
 
+def _split_sizes(n: int) -> tuple[int, int]:
+    """``(training, validation)`` bytes of an ``n``-byte corpus: the last ``VAL_FRACTION``
+    (rounded down, at least one byte) is validation text."""
+    n_val = max(int(n * VAL_FRACTION), 1)
+    return n - n_val, n_val
+
+
+def _min_total(min_bytes: int) -> int:
+    """The smallest corpus size (bytes) whose two parts both hold ``min_bytes`` bytes.
+
+    Both parts grow with the size, so the first size that fits is the exact bound (searched
+    rather than derived, so it shares :func:`_split_sizes`' rounding).
+    """
+    n = 2 * min_bytes
+    while min(_split_sizes(n)) < min_bytes:
+        n += 1
+    return n
+
+
 def load_corpus(
     path: str | Path | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES, min_bytes: int = 0
 ) -> Corpus:
@@ -133,14 +152,12 @@ def load_corpus(
         where = str(path)
     if not data:
         raise CorpusError(f"--corpus: no text found in {where} (the corpus is empty)")
-    n_val = max(int(len(data) * VAL_FRACTION), 1)
-    n_train = len(data) - n_val
+    n_train, n_val = _split_sizes(len(data))
     if min(n_train, n_val) < min_bytes:
-        need = int(min_bytes / VAL_FRACTION) + 1
         raise CorpusError(
-            f"--corpus: {where} holds {len(data)} bytes; the demo needs at least {need} "
-            f"(10% of it is held out for validation, and each part must exceed one "
-            f"{min_bytes - 1}-byte context)"
+            f"--corpus: {where} holds {len(data)} bytes; the demo needs at least "
+            f"{_min_total(min_bytes)} (the last 10% is held out for validation, and each part "
+            f"must hold at least {min_bytes} bytes)"
         )
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return Corpus(tokens[:n_train].clone(), tokens[n_train:].clone(), source, used)

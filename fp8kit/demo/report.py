@@ -349,7 +349,8 @@ def render_report(results: Sequence[RunResult], info: RunInfo, charts: Sequence[
         "median step time (forward, backward, optimizer; evaluation and the steps the numerics "
         "inspector sampled are excluded). *Speed vs fp32 / vs bf16*: tokens/s ratio, higher is "
         "faster. *Wall time*: the whole variant, evaluation and inspection included. *n/a*: not "
-        "measured in this run (the variant compared with did not run, or ran emulated).",
+        "measured in this run (the variant compared with did not run, or ran emulated, or the "
+        "inspector sampled every step of the variant).",
         "",
         "### What the speed figures mean",
         "",

@@ -78,9 +78,10 @@ class RunResult:
 
     @property
     def tokens_per_s(self) -> float:
-        """Tokens per step over the median step time (steps the inspector sampled excluded)."""
+        """Tokens per step over the median step time of the steps the inspector did not
+        sample; NaN (reported as "n/a") when it sampled every step: an inspected step's time
+        includes the statistics, so it never stands in for the training speed (docs/demo.md)."""
         times = [t for t, i in zip(self.step_time, self.inspected, strict=True) if not i]
-        times = times or self.step_time
         return self.tokens_per_step / statistics.median(times) if times else math.nan
 
 
@@ -214,7 +215,8 @@ def train_variant(
                 if not math.isfinite(val):
                     result.diverged = f"non-finite validation loss {val} after step {step}"
                     break
-            bar.update(done, value, result.tokens_per_s)
+            speed = result.tokens_per_s
+            bar.update(done, value, speed if math.isfinite(speed) else None)
     finally:
         if inspector is not None:
             inspector.detach()

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import copy
 import csv
+import gc
 import json
 import math
 import sys
+import weakref
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
 from fp8kit.torch import slot_cast
-from fp8kit.torch.inspect import Inspector, cast_statistics
+from fp8kit.torch.inspect import Inspector, attached_inspector, cast_statistics
 from fp8kit.torch.inspect import stats as stats_module
 from fp8kit.torch.inspect.export import METRICS
+from fp8kit.torch.inspect.stats import snr_db
 from fp8kit.torch.layers import LayerNormLinear, LayerNormMLP
 from fp8kit.torch.quantization import quantize
 
@@ -41,6 +45,7 @@ def hand_snr_db(x: list[float], q: list[float]) -> float:
 def _no_leftover_observer():
     yield
     assert slot_cast._observer is None, "a test left an inspector attached"
+    assert attached_inspector() is None, "a test left an inspector attached"
 
 
 def test_cast_statistics_of_the_crafted_tensor() -> None:
@@ -70,6 +75,20 @@ def test_non_finite_elements() -> None:
     amax, _, sat, flush, signal, noise = cast_statistics(x, q, torch.tensor(1.0), 448.0).tolist()
     assert (amax, sat, flush) == (math.inf, 1.0, 0.0)
     assert signal == 5.0 and noise == 0.0  # only 1 and 2 count, both exact
+
+
+def test_energies_of_a_huge_finite_input_stay_finite() -> None:
+    """|x| = 1e20 squares to 1e40, past float32's range: the energies (and so the SNR) must
+    still be the finite float64 values, as the stats module's docstring promises."""
+    x = torch.tensor([1e20, 1.0, 2.0])
+    q = quantize(x, 1.0, torch.float8_e4m3fn)
+    assert q.dequantize().tolist() == [448.0, 1.0, 2.0]
+    *_, signal, noise = cast_statistics(x, q, torch.tensor(1.0), 448.0).tolist()
+    big = float(np.float32(1e20))  # the cast reads float32(x)
+    assert signal == pytest.approx(big**2 + 1.0 + 4.0, rel=1e-12)
+    assert noise == pytest.approx((big - 448.0) ** 2, rel=1e-12)
+    expected = 10 * math.log10((big**2 + 5.0) / (big - 448.0) ** 2)
+    assert snr_db(signal, noise) == pytest.approx(expected, abs=1e-9)
 
 
 def _crafted_linear() -> nn.Module:
@@ -257,6 +276,111 @@ def test_one_inspector_at_a_time_and_argument_errors() -> None:
         first.series("x", "loudness")
 
 
+def _one_step(model: nn.Module) -> None:
+    """Forward and backward of ``model`` (``f8.Linear(8, 8)`` layers) under delayed scaling."""
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        y = model(torch.randn(4, 8))
+    y.sum().backward()
+
+
+def test_second_attach_raises_while_the_first_is_paused_or_between_samples() -> None:
+    """The first inspector's observer is not installed while it is paused or on a step it does
+    not sample; a second attach must raise then too, naming how to detach the first."""
+    model = nn.Sequential(f8.Linear(8, 8))
+    first = Inspector(model, every=2).attach()
+    try:
+        assert attached_inspector() is first
+        with first.paused():
+            assert slot_cast._observer is None
+            with pytest.raises(RuntimeError, match=r"already attached.*\.detach\(\)"):
+                Inspector(model).attach()
+        _one_step(model)
+        first.step()  # step 1 comes next: not sampled, observer not installed
+        assert slot_cast._observer is None
+        with pytest.raises(RuntimeError, match="already attached"):
+            Inspector(model).attach()
+        _one_step(model)
+        assert first.step() == []
+        _one_step(model)
+        assert {r.step for r in first.step()} == {2}  # nothing was stolen
+    finally:
+        first.detach()
+    second = Inspector(model).attach()
+    assert attached_inspector() is second
+    second.detach()
+
+
+def test_an_attached_inspector_that_is_dropped_detaches_itself() -> None:
+    """Neither the installed hook nor the attachment keeps a dropped inspector alive: once it
+    is collected, its observer is gone and a new inspector attaches."""
+    model = nn.Sequential(f8.Linear(8, 8))
+    dropped = Inspector(model).attach()
+    _one_step(model)
+    assert slot_cast._observer is not None  # installed: step 1 is sampled too
+    ref = weakref.ref(dropped)
+    del dropped
+    assert ref() is None and slot_cast._observer is None and attached_inspector() is None
+    # Stored on its own model it sits in a reference cycle (model -> inspector -> model) that
+    # only the cycle collector frees; the next attach runs it before giving up.
+    looped = nn.Sequential(f8.Linear(8, 8))
+    looped.inspector = Inspector(looped).attach()
+    ref = weakref.ref(looped.inspector)
+    gc.disable()  # no automatic collection: only attach() may free the cycle
+    try:
+        del looped
+        assert ref() is not None  # unreachable, not freed yet
+        other = nn.Sequential(f8.Linear(8, 8))
+        new = Inspector(other).attach()
+    finally:
+        gc.enable()
+    assert ref() is None and attached_inspector() is new
+    _one_step(other)
+    assert len(new.step()) == 3
+    new.detach()
+
+
+def test_explicit_step_numbers_record_the_multiples_of_every() -> None:
+    """step(n) with n = 1..24 and every=10 records steps 10 and 20 (the multiples of ``every``
+    among the numbers passed), numbering from 0 adds step 0."""
+    model = nn.Sequential(f8.Linear(8, 8))
+    for numbers in (range(1, 25), range(0, 25), range(1000, 1025)):
+        inspector = Inspector(model, every=10)
+        with inspector:
+            for n in numbers:
+                _one_step(model)
+                inspector.step(n)
+        expected = [n for n in numbers if n % 10 == 0]
+        assert sorted({r.step for r in inspector.records}) == expected, numbers
+        assert len(inspector.records) == 3 * len(expected)
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the tensor methods that copy device values to Python objects."""
+
+    READS = ("tolist", "item", "numpy", "__float__", "__int__", "__bool__", "__index__")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_step_reads_the_device_once() -> None:
+    """ADR 0402: closing a step copies its statistics (and the non-finite event counts) to the
+    host in one transfer."""
+    model = nn.Sequential(f8.Linear(8, 8), f8.Linear(8, 8))
+    with Inspector(model) as inspector:
+        _one_step(model)
+        with _HostReads() as reads:
+            records = inspector.step()
+    assert len(records) == 6 and reads.calls == ["tolist"]
+    assert all(r.nonfinite_events == 0 for r in records)
+
+
 def _records_after_two_steps() -> Inspector:
     model = _crafted_linear()
     inspector = Inspector(model)
@@ -351,3 +475,72 @@ def test_plot_writes_a_png(tmp_path) -> None:
     assert image.shape[0] > 300 and image.shape[1] > 300
     with pytest.raises(ValueError, match="metrics"):
         inspector.plot(path, metrics=("loudness",))
+
+
+def _figure_of(monkeypatch: pytest.MonkeyPatch, draw) -> object:
+    """The matplotlib Figure that ``draw()`` saves (caught on its way to ``savefig``)."""
+    figure_module = pytest.importorskip("matplotlib.figure")
+    saved = []
+    real = figure_module.Figure.savefig
+
+    def spy(self, *args, **kwargs):
+        saved.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(figure_module.Figure, "savefig", spy)
+    draw()
+    (fig,) = saved
+    return fig
+
+
+def _one_step_records(model: nn.Module) -> Inspector:
+    inspector = Inspector(model)
+    with inspector:
+        _one_step(model)
+        inspector.step()
+    return inspector
+
+
+def test_plot_draws_a_layer_sampled_once(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One sampled step gives each layer a single point: it must show up inside the axes (a
+    one-point line draws nothing)."""
+    backend_agg = pytest.importorskip("matplotlib.backends.backend_agg")
+    inspector = _one_step_records(nn.Sequential(f8.Linear(8, 8)))
+    path = tmp_path / "one.png"
+    fig = _figure_of(monkeypatch, lambda: inspector.plot(path, metrics=["amax"], slots=["WEIGHT"]))
+    canvas = backend_agg.FigureCanvasAgg(fig)
+    canvas.draw()
+    pixels = np.asarray(canvas.buffer_rgba())[:, :, :3].astype(float) / 255
+    (ax,) = fig.axes
+    box = ax.get_window_extent()  # display pixels, origin at the bottom left
+    height = pixels.shape[0]
+    inside = pixels[
+        int(height - box.y1) + 2 : int(height - box.y0) - 2, int(box.x0) + 2 : int(box.x1) - 2
+    ]
+    (color,) = {tuple(line.get_color()[:3]) for line in ax.get_lines()}
+    close = np.abs(inside - np.array(color)).max(axis=2) < 0.08
+    assert close.sum() >= 10  # a visible marker, not a stray anti-aliased pixel
+
+
+def test_plot_leaves_the_matplotlib_backend_alone(tmp_path) -> None:
+    """A notebook's backend (here svg) stays selected after plotting."""
+    matplotlib = pytest.importorskip("matplotlib")
+    inspector = _records_after_two_steps()
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        inspector.plot(tmp_path / "s.png")
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before)
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_legend_keeps_sequential_layers_apart(tmp_path, monkeypatch) -> None:
+    """nn.Sequential children are named "0", "1": the legend must list both names."""
+    inspector = _one_step_records(nn.Sequential(f8.Linear(8, 8), f8.Linear(8, 8)))
+    fig = _figure_of(monkeypatch, lambda: inspector.plot(tmp_path / "seq.png"))
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["0", "1"]
+    colors = {tuple(h.get_color()) for h in legend.legend_handles}
+    assert len(colors) == 2

@@ -7,7 +7,7 @@ Nothing runs while no inspector is attached.
 """
 
 from fp8kit.torch.inspect.export import DEFINITIONS, METRICS, write_csv, write_json
-from fp8kit.torch.inspect.inspector import Inspector, SlotName, SlotStats
+from fp8kit.torch.inspect.inspector import Inspector, SlotName, SlotStats, attached_inspector
 from fp8kit.torch.inspect.plot import plot_stats
 from fp8kit.torch.inspect.stats import cast_statistics
 
@@ -17,6 +17,7 @@ __all__ = [
     "Inspector",
     "SlotName",
     "SlotStats",
+    "attached_inspector",
     "cast_statistics",
     "plot_stats",
     "write_csv",

@@ -5,11 +5,17 @@ the single place where module slots are cast to FP8. Each observed cast queues a
 statistics vector on the tensor's device (no host sync); :meth:`Inspector.step` stacks the queue,
 copies it to the host once and turns it into one :class:`SlotStats` per slot. When no inspector
 is attached, or on steps it does not sample, the observer is not installed at all.
+
+One inspector is attached at a time (docs/decisions/0402). The installed observer holds the
+inspector only weakly, so an attached inspector that is garbage-collected detaches itself
+(docs/decisions/0243); :func:`attached_inspector` returns the attached one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -24,7 +30,11 @@ from fp8kit.torch.inspect.stats import cast_statistics, combine
 from fp8kit.torch.quantization import Float8Tensor, current_scale
 from fp8kit.torch.state import BwdSlot, FP8Meta, FwdSlot, ScalingState
 
-__all__ = ["Inspector", "SlotName", "SlotStats"]
+__all__ = ["Inspector", "SlotName", "SlotStats", "attached_inspector"]
+
+# The attached inspector, held weakly (docs/decisions/0243): None, or a reference that may be
+# dead once the inspector was garbage-collected (its finalizer has then uninstalled it).
+_attached: weakref.ref[Inspector] | None = None
 
 
 @dataclass(frozen=True)
@@ -93,17 +103,64 @@ def _slot_scale(
     return state.scale[slot]
 
 
-def _to_host(vectors: list[torch.Tensor]) -> list[list[float]]:
-    """Copy queued statistics vectors to the host: one transfer per device, order kept."""
+def _to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
+    """Copy tensors of any shapes to the host as flat lists of floats, order kept.
+
+    The tensors of one device are flattened, converted to float64 and concatenated on that
+    device, then copied in one transfer: one host sync per device (ADR 0402). float64 holds
+    every statistic and every count below 2**53 exactly.
+    """
     by_device: dict[torch.device, list[int]] = {}
-    for i, v in enumerate(vectors):
-        by_device.setdefault(v.device, []).append(i)
-    rows: list[list[float]] = [[] for _ in vectors]
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    rows: list[list[float]] = [[] for _ in tensors]
     for indices in by_device.values():
-        host = torch.stack([vectors[i] for i in indices]).cpu().tolist()
-        for i, row in zip(indices, host, strict=True):
-            rows[i] = row
+        flat = torch.cat([tensors[i].reshape(-1).to(torch.float64) for i in indices])
+        host = flat.cpu().tolist()
+        start = 0
+        for i in indices:
+            end = start + tensors[i].numel()
+            rows[i] = host[start:end]
+            start = end
     return rows
+
+
+def attached_inspector() -> Inspector | None:
+    """The inspector attached now, or None (a handle to detach one whose name was lost)."""
+    return _attached() if _attached is not None else None
+
+
+def _other_attached() -> Inspector | None:
+    """The attached inspector, after one garbage collection if one seems attached.
+
+    An unreachable inspector caught in a reference cycle (say, stored on its own model) is only
+    freed by the cycle collector; collecting runs its finalizer, which detaches it.
+    """
+    if attached_inspector() is None:
+        return None
+    gc.collect()
+    return attached_inspector()
+
+
+class _WeakObserver:
+    """The callable installed as ``slot_cast._observer``: forwards to the inspector while it
+    lives, holding it only weakly so the hook never keeps a dropped inspector alive."""
+
+    __slots__ = ("_inspector",)
+
+    def __init__(self, inspector: Inspector) -> None:
+        self._inspector = weakref.ref(inspector)
+
+    def __call__(self, *args: Any) -> None:
+        inspector = self._inspector()
+        if inspector is not None:
+            inspector._observe(*args)
+
+
+def _release(observer: _WeakObserver) -> None:
+    """Finalizer of an attached inspector: uninstall its observer (if still installed)."""
+    if slot_cast._observer is observer:
+        slot_cast._observer = None
 
 
 class _Names:
@@ -169,8 +226,14 @@ class Inspector:
     Args:
         model: the model whose FP8 modules are named in the results by their ``named_modules``
             paths; casts of modules outside it are recorded as ``<unknownN>.slotI``.
-        every: sample one step in ``every`` (steps ``0, every, 2*every, ...`` of the inspector's
-            own count, or of the numbers passed to :meth:`step`); unsampled steps cost nothing.
+        every: record the steps whose number is a multiple of ``every`` (``0, every,
+            2*every, ...`` of the inspector's own count, or of the numbers passed to
+            :meth:`step`). Casts are observed on a step when its number is predicted to be
+            sampled: the previous :meth:`step` number plus one. Before the first :meth:`step`
+            call the number is unknown, so the first step is observed and its records are
+            dropped unless its number is a multiple of ``every``; other unsampled steps cost
+            nothing. Pass consecutive numbers: after a jump the prediction is off for one step
+            (docs/decisions/0243).
 
     Usage::
 
@@ -183,7 +246,9 @@ class Inspector:
                 inspector.step()              # one host sync: closes the step
         inspector.to_csv("fp8_stats.csv")
 
-    Only one inspector can be attached at a time.
+    Only one inspector can be attached at a time: a second :meth:`attach` raises until the first
+    is detached (:func:`attached_inspector` returns it). An attached inspector that is
+    garbage-collected detaches itself.
     """
 
     def __init__(self, model: nn.Module, *, every: int = 1) -> None:
@@ -193,31 +258,64 @@ class Inspector:
             raise ValueError(f"every must be an int >= 1, got {every!r}")
         self.every = every
         self.records: list[SlotStats] = []
+        self._model_type = type(model).__name__
         self._names = _Names(model)
         self._pending: list[tuple[SlotName, str, int, torch.Tensor]] = []
         self._counted: dict[SlotName, tuple[ScalingState, int]] = {}  # slots cast this step
+        self._observer = _WeakObserver(self)
+        self._finalizer: weakref.finalize | None = None
         self._attached = False
         self._paused = 0
-        self._next_step = 0
+        self._next_step: int | None = None  # None: the first step's number is not known yet
+
+    def __repr__(self) -> str:
+        state = "attached" if self._attached else "detached"
+        return (
+            f"Inspector({self._model_type}, every={self.every}, {state}, "
+            f"{len(self.records)} records)"
+        )
 
     # -- attaching -----------------------------------------------------------------------------
 
     def attach(self) -> Inspector:
-        """Start observing casts (from the current step on)."""
+        """Start observing casts (from the current step on).
+
+        Raises:
+            RuntimeError: another inspector is attached (detach it first), or something other
+                than an inspector installed ``slot_cast._observer``.
+        """
+        global _attached
         if self._attached:
             return self
+        other = _other_attached()
+        if other is not None:
+            raise RuntimeError(
+                f"another fp8kit Inspector is already attached ({other!r}): call its .detach() "
+                "(or leave its `with` block) first; fp8kit.torch.inspect.attached_inspector() "
+                "returns it. One inspector at a time."
+            )
         if slot_cast._observer is not None:
             raise RuntimeError(
-                "another fp8kit Inspector is already attached: detach it first (one at a time)"
+                "fp8kit.torch.slot_cast._observer is set by something other than an Inspector "
+                f"({slot_cast._observer!r}): set it back to None before attaching"
             )
+        _attached = weakref.ref(self)
+        # Dropping the attached inspector uninstalls its observer (docs/decisions/0243).
+        self._finalizer = weakref.finalize(self, _release, self._observer)
         self._attached = True
         self._arm()
         return self
 
     def detach(self) -> None:
         """Stop observing; casts queued for an unfinished step are dropped."""
-        if self._attached and slot_cast._observer == self._observe:
-            slot_cast._observer = None
+        global _attached
+        if self._attached:
+            _release(self._observer)
+            if attached_inspector() is self:
+                _attached = None
+            if self._finalizer is not None:
+                self._finalizer.detach()
+                self._finalizer = None
         self._attached = False
         self._pending.clear()
         self._counted.clear()
@@ -234,8 +332,9 @@ class Inspector:
 
     @property
     def sampling(self) -> bool:
-        """Whether casts made now are recorded (attached, not paused, sampled step)."""
-        return self._attached and slot_cast._observer == self._observe
+        """Whether casts made now are observed (attached, not paused, and the coming step
+        predicted to be sampled); they are recorded if :meth:`step`'s number is sampled."""
+        return self._attached and slot_cast._observer is self._observer
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -248,11 +347,17 @@ class Inspector:
             self._paused -= 1
             self._arm()
 
+    def _sampled(self, number: int) -> bool:
+        """Whether step ``number`` is recorded: a multiple of ``every``."""
+        return number % self.every == 0
+
     def _arm(self) -> None:
-        want = self._attached and not self._paused and self._next_step % self.every == 0
+        """Install the observer iff attached, not paused and the coming step may be sampled."""
+        coming = self._next_step
+        want = self._attached and not self._paused and (coming is None or self._sampled(coming))
         if want:
-            slot_cast._observer = self._observe
-        elif slot_cast._observer == self._observe:
+            slot_cast._observer = self._observer
+        elif slot_cast._observer is self._observer:
             slot_cast._observer = None
 
     # -- observing -----------------------------------------------------------------------------
@@ -268,60 +373,70 @@ class Inspector:
     ) -> None:
         scale = _slot_scale(q, recipe, state, slot, fmt)
         values = cast_statistics(x, q, scale, fmt.max)
-        self._pending.append((self._names(state, slot), fmt.name, x.numel(), values))
-        self._counted[self._names(state, slot)] = (state, slot)
+        name = self._names(state, slot)
+        self._pending.append((name, fmt.name, x.numel(), values))
+        self._counted[name] = (state, slot)
 
     def step(self, step: int | None = None) -> list[SlotStats]:
         """Close the current step: one host sync, then one :class:`SlotStats` per slot.
 
         Args:
             step: the number to record (default: the inspector's own count, starting at 0).
-                The next step is numbered ``step + 1``.
+                The next step is numbered ``step + 1``. Only steps whose number is a multiple
+                of ``every`` are recorded.
 
         Returns:
             The new records (also appended to :attr:`records`); empty on unsampled steps.
         """
         if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
             raise TypeError(f"step must be an int or None, got {step!r}")
-        number = self._next_step if step is None else step
-        new: list[SlotStats] = []
-        if self._pending:
-            rows = _to_host([p[3] for p in self._pending])
-            # Read after the step's update events: counts include this step's non-finite amaxes.
-            counted = list(self._counted.items())
-            counts = _to_host(
-                [s.nonfinite_count[i : i + 1].to(torch.float64) for _, (s, i) in counted]
-            )
-            nonfinite = {name: int(c[0]) for (name, _), c in zip(counted, counts, strict=True)}
-            self._counted.clear()
-            grouped: dict[SlotName, tuple[str, list[tuple[int, list[float]]]]] = {}
-            for (name, fmt_name, numel, _), values in zip(self._pending, rows, strict=True):
-                grouped.setdefault(name, (fmt_name, []))[1].append((numel, values))
-            for name, (fmt_name, entries) in grouped.items():
-                t = combine(entries)
-                new.append(
-                    SlotStats(
-                        step=number,
-                        name=name.name,
-                        module=name.module,
-                        gemm=name.gemm,
-                        direction=name.direction,
-                        slot=name.slot,
-                        fp8_format=fmt_name,
-                        casts=t.casts,
-                        numel=t.numel,
-                        amax=t.amax,
-                        scale=t.scale,
-                        saturated=t.saturated,
-                        flushed=t.flushed,
-                        snr_db=t.snr_db,
-                        nonfinite_events=nonfinite[name],
-                    )
-                )
-            self._pending.clear()
+        coming = 0 if self._next_step is None else self._next_step
+        number = coming if step is None else step
+        new = self._close(number) if self._sampled(number) else []
+        self._pending.clear()
+        self._counted.clear()
         self.records.extend(new)
         self._next_step = number + 1
         self._arm()
+        return new
+
+    def _close(self, number: int) -> list[SlotStats]:
+        """Records of step ``number`` from the queued casts: one copy to the host per device."""
+        if not self._pending:
+            return []
+        counted = list(self._counted.items())
+        # Read after the step's update events: counts include this step's non-finite amaxes.
+        host = _to_host(
+            [values for *_, values in self._pending]
+            + [state.nonfinite_count[i] for _, (state, i) in counted]
+        )
+        rows, counts = host[: len(self._pending)], host[len(self._pending) :]
+        nonfinite = {name: int(c[0]) for (name, _), c in zip(counted, counts, strict=True)}
+        grouped: dict[SlotName, tuple[str, list[tuple[int, list[float]]]]] = {}
+        for (name, fmt_name, numel, _), values in zip(self._pending, rows, strict=True):
+            grouped.setdefault(name, (fmt_name, []))[1].append((numel, values))
+        new: list[SlotStats] = []
+        for name, (fmt_name, entries) in grouped.items():
+            t = combine(entries)
+            new.append(
+                SlotStats(
+                    step=number,
+                    name=name.name,
+                    module=name.module,
+                    gemm=name.gemm,
+                    direction=name.direction,
+                    slot=name.slot,
+                    fp8_format=fmt_name,
+                    casts=t.casts,
+                    numel=t.numel,
+                    amax=t.amax,
+                    scale=t.scale,
+                    saturated=t.saturated,
+                    flushed=t.flushed,
+                    snr_db=t.snr_db,
+                    nonfinite_events=nonfinite[name],
+                )
+            )
         return new
 
     # -- results -------------------------------------------------------------------------------
