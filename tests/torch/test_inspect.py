@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
 from fp8kit.torch import slot_cast
+from fp8kit.torch.checkpoint import init_fp8_state
 from fp8kit.torch.inspect import Inspector, attached_inspector, cast_statistics
 from fp8kit.torch.inspect import stats as stats_module
 from fp8kit.torch.inspect.export import METRICS
@@ -379,6 +380,30 @@ def test_step_reads_the_device_once() -> None:
             records = inspector.step()
     assert len(records) == 6 and reads.calls == ["tolist"]
     assert all(r.nonfinite_events == 0 for r in records)
+
+
+def test_first_step_current_scaling_is_reported_without_reading_the_device() -> None:
+    """Under ``first_step_scaling="current"`` a slot's first cast uses ``fmax / amax`` of its
+    tensor, later casts the delayed scale; the observer picks which on the device (it used to
+    read the update count on the host at every cast until the slot had history)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(f8.Linear(16, 16))
+    recipe = DelayedScaling(amax_history_len=4, first_step_scaling="current")
+    init_fp8_state(model, recipe)  # the one-time binding reads the state; steps then do not
+    xs = [torch.randn(8, 16) * 3, torch.randn(8, 16) * 5]
+    with Inspector(model) as inspector:
+        for x in xs:
+            with _HostReads() as reads, f8.autocast(recipe=recipe):
+                y = model(x)
+            assert reads.calls == []
+            y.sum().backward()
+            inspector.step()
+    step0 = {r.slot: r for r in inspector.records if r.step == 0}
+    step1 = {r.slot: r for r in inspector.records if r.step == 1}
+    amax0 = np.float32(xs[0].abs().max().item())
+    assert step0["INPUT"].scale == float(np.float32(448.0) / amax0)  # current, first cast
+    assert step1["INPUT"].scale == float(np.float32(448.0) / amax0)  # delayed: event 0's
+    assert step1["INPUT"].amax == float(np.float32(xs[1].abs().max().item()))
 
 
 def _records_after_two_steps() -> Inspector:

@@ -95,11 +95,14 @@ class SlotStats:
 def _slot_scale(
     q: Float8Tensor, recipe: Recipe, state: ScalingState, slot: int, fmt: FP8Format
 ) -> torch.Tensor:
-    """The scale ``quantize_slot`` just used (same branches, same arithmetic)."""
+    """The scale ``quantize_slot`` just used (same branches, same arithmetic), chosen on the
+    device: a slot without history under ``first_step_scaling="current"`` used the current
+    scale (no host read to ask which, docs/decisions/0402-numerics-inspector.md)."""
     if isinstance(recipe, Float8CurrentScaling):
         return current_scale(q.amax, fmt, recipe.power_2_scale)  # type: ignore[arg-type]
-    if recipe.first_step_scaling == "current" and not state.slot_has_history(slot):
-        return current_scale(q.amax, fmt)  # type: ignore[arg-type]
+    if recipe.first_step_scaling == "current":
+        first = current_scale(q.amax, fmt)  # type: ignore[arg-type]
+        return torch.where(state.update_count[slot] > 0, state.scale[slot], first)
     return state.scale[slot]
 
 
