@@ -14,7 +14,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch.autocast import FP8Settings, current_settings
@@ -308,7 +307,7 @@ class _LinearFunction(torch.autograd.Function):
         if torch.is_grad_enabled():
             # create_graph=True: the gradients come from FP8 GEMMs of saved FP8 copies, so a
             # second derivative through them would be wrong; differentiating them must raise.
-            return _gradients_once_differentiable(ctx, dy)
+            return _differentiating_again_raises(ctx, dy)
         return _LinearFunction.gradients(ctx, dy)
 
     @staticmethod
@@ -370,7 +369,29 @@ class _LinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None
 
 
-_gradients_once_differentiable = once_differentiable(_LinearFunction.gradients)
+_TWICE = (
+    b"fp8kit: differentiate twice through an FP8 GEMM: its gradients come from FP8 copies saved "
+    b"in the forward, so no second derivative is available (docs/semantics.md section 4)"
+)
+
+
+def _differentiating_again_raises(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+    """:meth:`_LinearFunction.gradients` under ``create_graph=True``: computed without a graph,
+    then joined to one node that raises when anything differentiates them.
+
+    ``torch.autograd.function.once_differentiable`` adds that node only when ``dy`` requires
+    grad. A ``dy`` that does not (the gradient of ``y.sum()``) still leaves ``dx`` depending on
+    the weight, so a gradient penalty on ``dx`` would silently lose its weight term."""
+    with torch.no_grad():
+        grads = _LinearFunction.gradients(ctx, dy)
+    tensors = [g for g in grads if isinstance(g, torch.Tensor)]
+    if not tensors:
+        return grads
+    joined = torch._C._functions.DelayedError(_TWICE, len(tensors))(
+        *[g.detach().requires_grad_() for g in tensors]
+    )
+    raising = iter(joined if isinstance(joined, tuple) else (joined,))
+    return tuple(next(raising) if isinstance(g, torch.Tensor) else g for g in grads)
 
 
 def fp8_linear(

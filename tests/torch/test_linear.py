@@ -333,6 +333,13 @@ def test_double_backward_raises_instead_of_dropping_the_second_derivative() -> N
     assert torch.equal(grads[0], grads[1].detach())
     with pytest.raises(RuntimeError, match="differentiate twice"):
         (y.sum() + grads[1].square().sum()).backward()
+    # A constant upstream gradient (that of y.sum()) leaves dx depending on the weight: the
+    # penalty still raises instead of silently losing its weight term.
+    with f8.autocast(recipe=recipe):
+        y = layer(x)
+    (dx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (y.sum() + dx.square().sum()).backward()
 
 
 def test_under_torch_autocast_the_gemm_computes_in_its_dtype() -> None:
