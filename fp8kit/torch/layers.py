@@ -24,12 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8kit.torch.linear import (
+    InitMethod,
     cached_fp8_weights,
     check_bool,
     check_features,
+    check_init_method,
     check_is_first_microbatch,
     fp8_linear,
     fp8_run_for,
+    init_linear,
     resolve_params_dtype,
 )
 from fp8kit.torch.quantization import Float8Tensor
@@ -90,14 +93,6 @@ def activate(h: torch.Tensor, kind: str) -> torch.Tensor:
     return F.silu(a) * b
 
 
-def _init_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """``torch.nn.Linear``'s default initialisation (uniform, bound from the fan-in)."""
-    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-    if bias is not None:
-        bound = 1.0 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0.0
-        nn.init.uniform_(bias, -bound, bound)
-
-
 class _FP8Block(nn.Module):
     """Base of the blocks: owns ``fp8_meta`` and the per-GEMM FP8 weight cache.
 
@@ -151,9 +146,13 @@ class LayerNormLinear(_FP8Block):
     Args:
         in_features: size of the last dimension of ``x``.
         out_features: size of the last dimension of ``y``.
+        eps: added to the variance (mean square for RMSNorm) for stability (third positional
+            argument, as in Transformer Engine; the others are keywords).
         bias: learn the Linear's additive bias ``b``.
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
-        eps: added to the variance (mean square for RMSNorm) for stability.
+        init_method: fills ``weight`` in place, and ``b`` starts at 0 (TE's ``init_method``);
+            None: ``torch.nn.Linear``'s initialisation (TE's default differs:
+            docs/te_modules.md).
         device, dtype: of the parameters and FP8 state (``params_dtype``: TE's name for dtype).
 
     Shapes: ``x`` ``(*, in_features)`` -> ``y`` ``(*, out_features)``.
@@ -168,10 +167,11 @@ class LayerNormLinear(_FP8Block):
         self,
         in_features: int,
         out_features: int,
-        bias: bool = True,
-        normalization: str = "LayerNorm",
         eps: float = 1e-5,
         *,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        init_method: InitMethod | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         params_dtype: torch.dtype | None = None,
@@ -183,6 +183,7 @@ class LayerNormLinear(_FP8Block):
         check_bool("bias", bias)
         self.normalization = check_choice("normalization", normalization, NORMALIZATIONS)
         self.eps = check_eps(eps)
+        self.init_method = check_init_method("init_method", init_method)
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.layer_norm_weight = nn.Parameter(torch.empty(in_features, **kw))
         if self.normalization == "LayerNorm":
@@ -198,9 +199,10 @@ class LayerNormLinear(_FP8Block):
         self._init_fp8(device)
 
     def reset_parameters(self) -> None:
-        """Norm weight 1, norm bias 0, Linear as ``torch.nn.Linear``; fresh FP8 state."""
+        """Norm weight 1, norm bias 0, the Linear by ``init_method`` (bias 0) or as
+        ``torch.nn.Linear``; fresh FP8 state."""
         self._reset_norm()
-        _init_linear(self.weight, self.bias)
+        init_linear(self.weight, self.bias, self.init_method)
         self._reset_fp8()
 
     def forward(  # type: ignore[override]
@@ -236,10 +238,13 @@ class LayerNormMLP(_FP8Block):
     Args:
         hidden_size: size of the last dimension of ``x`` and ``y``.
         ffn_hidden_size: width of the hidden (post-activation) layer.
+        eps: added to the variance (mean square for RMSNorm); third positional argument, as in
+            Transformer Engine (the others are keywords).
         bias: learn ``fc1_bias`` and ``fc2_bias``.
         activation: ``"gelu"`` (exact erf form), ``"relu"`` or ``"swiglu"``.
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
-        eps: added to the variance (mean square for RMSNorm).
+        init_method / output_layer_init_method: fill ``fc1_weight`` / ``fc2_weight`` in place,
+            with the bias at 0 (TE's); None: ``torch.nn.Linear``'s initialisation.
         device, dtype: of the parameters and FP8 state (``params_dtype``: TE's name for dtype).
 
     Parameters: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only), ``fc1_weight``
@@ -254,11 +259,13 @@ class LayerNormMLP(_FP8Block):
         self,
         hidden_size: int,
         ffn_hidden_size: int,
+        eps: float = 1e-5,
+        *,
         bias: bool = True,
         activation: str = "gelu",
         normalization: str = "LayerNorm",
-        eps: float = 1e-5,
-        *,
+        init_method: InitMethod | None = None,
+        output_layer_init_method: InitMethod | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         params_dtype: torch.dtype | None = None,
@@ -271,6 +278,10 @@ class LayerNormMLP(_FP8Block):
         self.activation = check_choice("activation", activation, ACTIVATIONS)
         self.normalization = check_choice("normalization", normalization, NORMALIZATIONS)
         self.eps = check_eps(eps)
+        self.init_method = check_init_method("init_method", init_method)
+        self.output_layer_init_method = check_init_method(
+            "output_layer_init_method", output_layer_init_method
+        )
         fc1_out = 2 * ffn_hidden_size if self.activation == "swiglu" else ffn_hidden_size
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.layer_norm_weight = nn.Parameter(torch.empty(hidden_size, **kw))
@@ -290,10 +301,11 @@ class LayerNormMLP(_FP8Block):
         self._init_fp8(device)
 
     def reset_parameters(self) -> None:
-        """Norm weight 1, norm bias 0, fc1/fc2 as ``torch.nn.Linear``; fresh FP8 state."""
+        """Norm weight 1, norm bias 0, fc1 by ``init_method`` and fc2 by
+        ``output_layer_init_method`` (biases 0), or as ``torch.nn.Linear``; fresh FP8 state."""
         self._reset_norm()
-        _init_linear(self.fc1_weight, self.fc1_bias)
-        _init_linear(self.fc2_weight, self.fc2_bias)
+        init_linear(self.fc1_weight, self.fc1_bias, self.init_method)
+        init_linear(self.fc2_weight, self.fc2_bias, self.output_layer_init_method)
         self._reset_fp8()
 
     def forward(  # type: ignore[override]

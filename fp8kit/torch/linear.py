@@ -9,6 +9,8 @@ high-precision input.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,11 +34,14 @@ from fp8kit.torch.state import (
 )
 
 __all__ = [
+    "InitMethod",
     "Linear",
     "cached_fp8_weights",
+    "check_init_method",
     "check_is_first_microbatch",
     "fp8_linear",
     "fp8_run_for",
+    "init_linear",
     "prepare_run",
     "resolve_params_dtype",
 ]
@@ -199,6 +204,39 @@ def cached_fp8_weights(
                 "is_first_microbatch=True, but there are none: pass True on the first microbatch"
             )
     return cache
+
+
+InitMethod = Callable[[torch.Tensor], Any]
+"""Transformer Engine's ``init_method``: called on a GEMM weight ``(out, in)`` to fill it in
+place."""
+
+
+def check_init_method(name: str, value: InitMethod | None) -> InitMethod | None:
+    """``value`` if it is None or callable, else a TypeError naming ``name``."""
+    if value is not None and not callable(value):
+        raise TypeError(
+            f"{name} must be None or a callable that fills a weight in place (Transformer "
+            f"Engine's init_method), got {type(value).__name__}"
+        )
+    return value
+
+
+def init_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, init_method: InitMethod | None = None
+) -> None:
+    """``init_method(weight)`` and a zero bias, as Transformer Engine initialises a GEMM given
+    one; without it ``torch.nn.Linear``'s default (uniform, bound from the fan-in) for both
+    (docs/te_modules.md, "Initialisation")."""
+    if init_method is not None:
+        with torch.no_grad():
+            init_method(weight)
+        if bias is not None:
+            nn.init.zeros_(bias)
+        return
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1.0 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0.0
+        nn.init.uniform_(bias, -bound, bound)
 
 
 def _aligned(m: int, k: int, n: int) -> bool:
@@ -449,6 +487,8 @@ class Linear(nn.Linear):
         fp8_output: also pass the output through FP8 (E4M3, forward OUTPUT slot) and record its
             amax; the returned tensor is the dequantized high-precision value.
         fp8_grad: likewise for the input gradient (E5M2 under HYBRID, backward GRAD_INPUT slot).
+        init_method: fills ``weight`` in place, and the bias starts at 0 (Transformer Engine's
+            ``init_method``); None: ``torch.nn.Linear``'s initialisation.
 
     Outside an enabled autocast it is exactly ``torch.nn.Linear``. Any input shape
     ``(*, in_features)`` and any feature sizes work (GEMM operands are zero-padded to multiples
@@ -466,12 +506,16 @@ class Linear(nn.Linear):
         params_dtype: torch.dtype | None = None,
         fp8_output: bool = False,
         fp8_grad: bool = False,
+        init_method: InitMethod | None = None,
     ) -> None:
         dtype = resolve_params_dtype(dtype, params_dtype)
         check_features("in_features", in_features)
         check_features("out_features", out_features)
         for name, flag in (("bias", bias), ("fp8_output", fp8_output), ("fp8_grad", fp8_grad)):
             check_bool(name, flag)
+        # Read by reset_parameters, which nn.Linear.__init__ calls (a plain attribute may be
+        # set before Module.__init__).
+        self.init_method = check_init_method("init_method", init_method)
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.fp8_output = fp8_output
         self.fp8_grad = fp8_grad
@@ -482,7 +526,10 @@ class Linear(nn.Linear):
         self._run_cache: dict[str, Any] = {}
 
     def reset_parameters(self) -> None:
-        super().reset_parameters()
+        if self.__dict__.get("init_method") is None:  # also a module pickled before it existed
+            super().reset_parameters()
+        else:
+            init_linear(self.weight, self.bias, self.init_method)
         if "fp8_meta" in self._modules:  # not yet while nn.Linear.__init__ runs
             self.fp8_meta.reset_values()
             self._weight_cache = [None]

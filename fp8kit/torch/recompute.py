@@ -210,6 +210,9 @@ def activation_checkpoint(
     use_reentrant: bool = False,
     preserve_rng_state: bool = True,
     determinism_check: str = "default",
+    distribute_saved_activations: bool = False,
+    get_rng_state_tracker: Any = None,
+    tp_group: Any = None,
     **kwargs: Any,
 ) -> Any:
     """``function(*args, **kwargs)`` whose activations are recomputed in backward, FP8-aware
@@ -228,6 +231,10 @@ def activation_checkpoint(
         use_reentrant: only False (PyTorch's recommended checkpoint; the reentrant one cannot
             run code around its recomputation).
         preserve_rng_state, determinism_check: as ``torch.utils.checkpoint.checkpoint``.
+        distribute_saved_activations, get_rng_state_tracker, tp_group: ``te.checkpoint``'s
+            tensor-parallel keywords, taken (not passed to ``function``) so a TE call runs
+            unchanged: the first must be False and the second None (fp8kit has no tensor
+            parallelism); ``tp_group`` is used by neither then, as in TE.
 
     Not inside a function that ``torch.compile`` traces, and not around CUDA-graphed or
     compiled FP8 modules (their casts read the live scales).
@@ -236,6 +243,17 @@ def activation_checkpoint(
         raise ValueError(
             f"use_reentrant must be False, got {use_reentrant!r}: fp8kit recomputes FP8 modules "
             "with the non-reentrant torch.utils.checkpoint only"
+        )
+    if distribute_saved_activations is not False:
+        raise ValueError(
+            "distribute_saved_activations must be False, got "
+            f"{distribute_saved_activations!r}: fp8kit has no tensor parallelism to distribute "
+            "the saved activations over"
+        )
+    if get_rng_state_tracker is not None:
+        raise ValueError(
+            "get_rng_state_tracker must be None: fp8kit has no tensor-parallel RNG tracker "
+            "(preserve_rng_state=True restores torch's RNG state for the recomputation)"
         )
     if torch.compiler.is_compiling():
         raise RuntimeError(

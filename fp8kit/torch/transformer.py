@@ -25,7 +25,15 @@ from fp8kit.torch.layers import (
     check_choice,
     check_eps,
 )
-from fp8kit.torch.linear import Linear, check_bool, check_features, resolve_params_dtype
+from fp8kit.torch.linear import (
+    InitMethod,
+    Linear,
+    check_bool,
+    check_features,
+    check_init_method,
+    check_is_first_microbatch,
+    resolve_params_dtype,
+)
 from fp8kit.torch.quantization import check_high_precision
 
 __all__ = ["ATTN_INPUT_FORMATS", "SELF_ATTN_MASK_TYPES", "TransformerLayer"]
@@ -57,8 +65,12 @@ class TransformerLayer(nn.Module):
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``; activation: ``"gelu"``, ``"relu"`` or
             ``"swiglu"``; bias: learn the GEMM biases.
         fuse_qkv_params: accepted for TE compatibility; fp8kit always keeps Q, K and V in one
-            parameter (``layernorm_qkv.weight`` ``(3h, h)``, one FP8 GEMM), so the flag changes
-            no number (docs/te_modules.md).
+            parameter (``layernorm_qkv.weight`` ``(3h, h)``, rows q | k | v, one FP8 GEMM), so
+            the flag changes no number. TE's own checkpoints use other keys and, fused, another
+            row order: they do not load (docs/te_modules.md).
+        init_method / output_layer_init_method: fill the QKV and fc1 weights / the projection
+            and fc2 weights in place, with zero biases (TE's); None: ``torch.nn.Linear``'s
+            initialisation (TE's default differs: docs/te_modules.md).
         attn_input_format: ``"sbhd"`` (``[seq, batch, hidden]``, TE's default) or ``"bshd"``.
         params_dtype (TE) / device: of the parameters.
 
@@ -81,6 +93,8 @@ class TransformerLayer(nn.Module):
         bias: bool = True,
         fuse_qkv_params: bool = False,
         attn_input_format: str = "sbhd",
+        init_method: InitMethod | None = None,
+        output_layer_init_method: InitMethod | None = None,
         params_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -106,28 +120,44 @@ class TransformerLayer(nn.Module):
         activation = check_choice("activation", activation, ACTIVATIONS)
         eps = check_eps(layernorm_epsilon, "layernorm_epsilon")
         kw: dict[str, Any] = {"device": device, "dtype": resolve_params_dtype(dtype, params_dtype)}
+        init_method = check_init_method("init_method", init_method)
+        output_init = check_init_method("output_layer_init_method", output_layer_init_method)
         self.layernorm_qkv = LayerNormLinear(
-            hidden_size, 3 * hidden_size, bias=bias, normalization=normalization, eps=eps, **kw
+            hidden_size,
+            3 * hidden_size,
+            eps,
+            bias=bias,
+            normalization=normalization,
+            init_method=init_method,
+            **kw,
         )
-        self.proj = Linear(hidden_size, hidden_size, bias=bias, **kw)
+        self.proj = Linear(hidden_size, hidden_size, bias=bias, init_method=output_init, **kw)
         self.layernorm_mlp = LayerNormMLP(
             hidden_size,
             check_features("ffn_hidden_size", ffn_hidden_size),
+            eps,
             bias=bias,
             activation=activation,
             normalization=normalization,
-            eps=eps,
+            init_method=init_method,
+            output_layer_init_method=output_init,
             **kw,
         )
         summarize_fresh_fp8_state(self)  # one log line for a checkpoint without FP8 state
 
     def forward(
-        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        is_first_microbatch: bool | None = None,
     ) -> torch.Tensor:
         """``[s, b, h]`` (or ``[b, s, h]`` with ``attn_input_format="bshd"``) -> same shape.
 
         ``attention_mask`` (``self_attn_mask_type="padding"`` only): bool, broadcastable to
         ``[b, 1, s, s]`` (TE uses ``[b, 1, 1, s]``); True marks a position that is masked out.
+        ``is_first_microbatch``: passed to the four GEMM modules (FP8 weight caching across
+        microbatches, docs/semantics.md section 4). Under ``torch.autocast`` the input is cast
+        to its dtype first, as TE does, so the residual stream and the output have that dtype.
         """
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(
@@ -141,12 +171,16 @@ class TransformerLayer(nn.Module):
                 f"hidden_states must have shape [{layout}, {self.hidden_size}] "
                 f"(attn_input_format={self.attn_input_format!r}), got {tuple(hidden_states.shape)}"
             )
+        check_is_first_microbatch(is_first_microbatch)
         x = hidden_states
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         bshd = x if self.attn_input_format == "bshd" else x.transpose(0, 1)
         b, s, h = bshd.shape
         mask = self._sdpa_mask(attention_mask, b, s)
         heads, head_dim = self.num_attention_heads, h // self.num_attention_heads
-        qkv = self.layernorm_qkv(bshd)  # [b, s, 3h]
+        micro = is_first_microbatch
+        qkv = self.layernorm_qkv(bshd, is_first_microbatch=micro)  # [b, s, 3h]
         q, k, v = (t.view(b, s, heads, head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         attn = F.scaled_dot_product_attention(
             q,
@@ -158,8 +192,10 @@ class TransformerLayer(nn.Module):
             scale=1.0 / math.sqrt(head_dim),
         )
         attn = attn.transpose(1, 2).reshape(b, s, h)
-        y = bshd + F.dropout(self.proj(attn), self.hidden_dropout, self.training)
-        out = y + F.dropout(self.layernorm_mlp(y), self.hidden_dropout, self.training)
+        attn = self.proj(attn, is_first_microbatch=micro)
+        y = bshd + F.dropout(attn, self.hidden_dropout, self.training)
+        mlp = self.layernorm_mlp(y, is_first_microbatch=micro)
+        out = y + F.dropout(mlp, self.hidden_dropout, self.training)
         return out if self.attn_input_format == "bshd" else out.transpose(0, 1)
 
     def _sdpa_mask(

@@ -400,6 +400,22 @@ def test_checkpoint_round_trip_reproduces_next_step() -> None:
         assert torch.equal(mine, theirs)
 
 
+def test_te_argument_order_and_init_methods() -> None:
+    """TE's third positional argument of the blocks is eps; init_method (and fc2's
+    output_layer_init_method) fill the weights in place with zero biases, in f8.Linear too."""
+    lnl = LayerNormLinear(8, 4, 1e-3, init_method=torch.nn.init.ones_)
+    mlp = LayerNormMLP(8, 16, 1e-4, output_layer_init_method=torch.nn.init.zeros_)
+    lin = f8.Linear(8, 4, init_method=lambda w: torch.nn.init.constant_(w, 0.5))
+    assert (lnl.eps, mlp.eps) == (1e-3, 1e-4)
+    assert torch.equal(lnl.weight, torch.ones(4, 8)) and not lnl.bias.any()
+    assert not mlp.fc2_weight.any() and not mlp.fc2_bias.any() and mlp.fc1_bias.any()
+    assert torch.equal(lin.weight, torch.full((4, 8), 0.5)) and not lin.bias.any()
+    with pytest.raises(TypeError, match="init_method must be None or a callable"):
+        f8.Linear(8, 4, init_method="normal")
+    with pytest.raises(TypeError, match="positional"):
+        LayerNormLinear(8, 4, 1e-3, True)  # bias is a keyword, as in TE
+
+
 def test_is_first_microbatch_caches_both_weights() -> None:
     torch.manual_seed(13)
     block = LayerNormMLP(16, 32)

@@ -251,6 +251,27 @@ def test_use_reentrant_true_is_refused_by_name() -> None:
         f8.activation_checkpoint(torch.nn.Identity(), torch.ones(1), use_reentrant=True)
 
 
+def test_te_checkpoint_keywords_are_taken_not_passed_on() -> None:
+    """te.checkpoint's tensor-parallel keywords: a TE call runs unchanged (they never reach the
+    function), and the values fp8kit cannot honour are refused by name."""
+    seen: list[dict[str, Any]] = []
+
+    def function(x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        seen.append(kwargs)
+        return x * x  # saves x: the backward recomputes
+
+    x = torch.ones(2, requires_grad=True)
+    y = f8.activation_checkpoint(
+        function, x, distribute_saved_activations=False, get_rng_state_tracker=None, tp_group=None
+    )
+    y.sum().backward()
+    assert seen == [{}, {}] and torch.equal(x.grad, torch.full((2,), 2.0))
+    with pytest.raises(ValueError, match="distribute_saved_activations must be False"):
+        f8.activation_checkpoint(function, x, distribute_saved_activations=True)
+    with pytest.raises(ValueError, match="get_rng_state_tracker must be None"):
+        f8.activation_checkpoint(function, x, get_rng_state_tracker=object)
+
+
 def test_a_recomputation_that_casts_other_modules_is_named() -> None:
     first, other = f8.Linear(16, 16), f8.Linear(16, 16)
     calls = []

@@ -170,6 +170,51 @@ def test_bshd_layout_and_te_arguments() -> None:
     assert rms.layernorm_qkv.layer_norm_bias is None
 
 
+def test_te_init_methods_fill_the_weights_and_zero_the_biases() -> None:
+    """TE's init_method (QKV, fc1) and output_layer_init_method (projection, fc2): the weights
+    are what the callables make, the biases 0, again after reset_parameters."""
+    layer = f8.TransformerLayer(
+        H, F_, HEADS, init_method=torch.nn.init.ones_, output_layer_init_method=torch.nn.init.zeros_
+    )
+    for _ in range(2):
+        mlp, qkv, proj = layer.layernorm_mlp, layer.layernorm_qkv, layer.proj
+        assert torch.equal(qkv.weight, torch.ones_like(qkv.weight))
+        assert torch.equal(mlp.fc1_weight, torch.ones_like(mlp.fc1_weight))
+        assert not proj.weight.any() and not mlp.fc2_weight.any()
+        for bias in (qkv.bias, proj.bias, mlp.fc1_bias, mlp.fc2_bias):
+            assert not bias.any()
+        for module in (qkv, proj, mlp):
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.add_(1.0)
+            module.reset_parameters()
+    plain = f8.TransformerLayer(H, F_, HEADS)  # torch.nn.Linear's initialisation
+    assert plain.proj.bias.any() and plain.layernorm_mlp.fc2_bias.any()
+
+
+def test_is_first_microbatch_reaches_every_gemm_and_torch_autocast_sets_the_dtype() -> None:
+    """TE's forward(..., is_first_microbatch): False reuses the FP8 weights cached by True in all
+    four GEMMs. Under torch.autocast the input is cast first (TE), so the output has its
+    dtype."""
+    torch.manual_seed(5)
+    layer = f8.TransformerLayer(H, F_, HEADS, hidden_dropout=0.0, attention_dropout=0.0)
+    x = torch.randn(S, B, H)
+    recipe = DelayedScaling(amax_history_len=2)
+    with f8.autocast(recipe=recipe):
+        first = layer(x, is_first_microbatch=True)
+        with torch.no_grad():
+            for p in layer.parameters():
+                if p.dim() == 2:
+                    p.mul_(3.0)  # the cached FP8 weights must not see this
+        again = layer(x, is_first_microbatch=False)
+        fresh = layer(x)
+    assert torch.equal(first, again) and not torch.equal(first, fresh)
+    with pytest.raises(TypeError, match="is_first_microbatch"):
+        layer(x, is_first_microbatch=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16), f8.autocast(recipe=recipe):
+        assert layer(x).dtype == torch.bfloat16
+
+
 def test_dropout_is_active_in_training_only() -> None:
     torch.manual_seed(3)
     layer = f8.TransformerLayer(H, F_, HEADS, hidden_dropout=0.5, attention_dropout=0.5)
@@ -212,6 +257,8 @@ def test_a_checkpoint_without_fp8_state_is_said_once(caplog) -> None:
             "layernorm_epsilon must be a positive finite float",
         ),
         ({"ffn_hidden_size": 0}, ValueError, "ffn_hidden_size must be a positive int"),
+        ({"init_method": 0.02}, TypeError, "init_method must be None or a callable"),
+        ({"output_layer_init_method": "normal"}, TypeError, "output_layer_init_method must be"),
     ],
 )
 def test_bad_arguments_name_the_parameter(kwargs, error, match) -> None:
