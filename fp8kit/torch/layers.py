@@ -202,7 +202,8 @@ class LayerNormLinear(_FP8Block):
         """Norm weight 1, norm bias 0, the Linear by ``init_method`` (bias 0) or as
         ``torch.nn.Linear``; fresh FP8 state."""
         self._reset_norm()
-        init_linear(self.weight, self.bias, self.init_method)
+        # __dict__: a module pickled before init_method existed has none
+        init_linear(self.weight, self.bias, self.__dict__.get("init_method"))
         self._reset_fp8()
 
     def forward(  # type: ignore[override]
@@ -304,8 +305,10 @@ class LayerNormMLP(_FP8Block):
         """Norm weight 1, norm bias 0, fc1 by ``init_method`` and fc2 by
         ``output_layer_init_method`` (biases 0), or as ``torch.nn.Linear``; fresh FP8 state."""
         self._reset_norm()
-        init_linear(self.fc1_weight, self.fc1_bias, self.init_method)
-        init_linear(self.fc2_weight, self.fc2_bias, self.output_layer_init_method)
+        # __dict__: a module pickled before these existed has none
+        init_linear(self.fc1_weight, self.fc1_bias, self.__dict__.get("init_method"))
+        output_init = self.__dict__.get("output_layer_init_method")
+        init_linear(self.fc2_weight, self.fc2_bias, output_init)
         self._reset_fp8()
 
     def forward(  # type: ignore[override]

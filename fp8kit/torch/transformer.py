@@ -173,8 +173,9 @@ class TransformerLayer(nn.Module):
             )
         check_is_first_microbatch(is_first_microbatch)
         x = hidden_states
-        if torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+        device_type = x.device.type  # "meta" has no autocast state to ask
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+            x = x.to(torch.get_autocast_dtype(device_type))
         bshd = x if self.attn_input_format == "bshd" else x.transpose(0, 1)
         b, s, h = bshd.shape
         mask = self._sdpa_mask(attention_mask, b, s)

@@ -215,6 +215,23 @@ def test_is_first_microbatch_reaches_every_gemm_and_torch_autocast_sets_the_dtyp
         assert layer(x).dtype == torch.bfloat16
 
 
+def test_a_meta_layer_runs_forward_outside_autocast() -> None:
+    """A meta-device layer (shape tracing, deferred initialisation) has no autocast state to ask:
+    its forward runs and keeps the device."""
+    layer = f8.TransformerLayer(H, F_, HEADS, device="meta")
+    assert layer(torch.empty(S, B, H, device="meta")).device.type == "meta"
+
+
+def test_modules_saved_before_init_method_existed_still_reset() -> None:
+    """A module unpickled from an older fp8kit has no init_method attribute: reset_parameters
+    falls back to torch.nn.Linear's initialisation."""
+    for module in (f8.Linear(8, 4), layers.LayerNormLinear(8, 4), layers.LayerNormMLP(8, 16)):
+        module.__dict__.pop("init_method")
+        module.__dict__.pop("output_layer_init_method", None)
+        module.reset_parameters()
+        assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
 def test_dropout_is_active_in_training_only() -> None:
     torch.manual_seed(3)
     layer = f8.TransformerLayer(H, F_, HEADS, hidden_dropout=0.5, attention_dropout=0.5)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -35,6 +36,9 @@ __all__ = ["Inspector", "SlotName", "SlotStats", "attached_inspector"]
 # The attached inspector, held weakly (docs/decisions/0243): None, or a reference that may be
 # dead once the inspector was garbage-collected (its finalizer has then uninstalled it).
 _attached: weakref.ref[Inspector] | None = None
+# Held while an inspector attaches or detaches: two threads attaching at once must not both
+# succeed. Reentrant: the garbage collection in attach() may run a dropped inspector's finalizer.
+_attach_lock = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -288,38 +292,40 @@ class Inspector:
                 than an inspector installed ``slot_cast._observer``.
         """
         global _attached
-        if self._attached:
+        with _attach_lock:  # the check and the install, one step for every thread
+            if self._attached:
+                return self
+            other = _other_attached()
+            if other is not None:
+                raise RuntimeError(
+                    f"another fp8kit Inspector is already attached ({other!r}): call its .detach() "
+                    "(or leave its `with` block) first; fp8kit.torch.inspect.attached_inspector() "
+                    "returns it. One inspector at a time."
+                )
+            if slot_cast._observer is not None:
+                raise RuntimeError(
+                    "fp8kit.torch.slot_cast._observer is set by something other than an Inspector "
+                    f"({slot_cast._observer!r}): set it back to None before attaching"
+                )
+            _attached = weakref.ref(self)
+            # Dropping the attached inspector uninstalls its observer (docs/decisions/0243).
+            self._finalizer = weakref.finalize(self, _release, self._observer)
+            self._attached = True
+            self._arm()
             return self
-        other = _other_attached()
-        if other is not None:
-            raise RuntimeError(
-                f"another fp8kit Inspector is already attached ({other!r}): call its .detach() "
-                "(or leave its `with` block) first; fp8kit.torch.inspect.attached_inspector() "
-                "returns it. One inspector at a time."
-            )
-        if slot_cast._observer is not None:
-            raise RuntimeError(
-                "fp8kit.torch.slot_cast._observer is set by something other than an Inspector "
-                f"({slot_cast._observer!r}): set it back to None before attaching"
-            )
-        _attached = weakref.ref(self)
-        # Dropping the attached inspector uninstalls its observer (docs/decisions/0243).
-        self._finalizer = weakref.finalize(self, _release, self._observer)
-        self._attached = True
-        self._arm()
-        return self
 
     def detach(self) -> None:
         """Stop observing; casts queued for an unfinished step are dropped."""
         global _attached
-        if self._attached:
-            _release(self._observer)
-            if attached_inspector() is self:
-                _attached = None
-            if self._finalizer is not None:
-                self._finalizer.detach()
-                self._finalizer = None
-        self._attached = False
+        with _attach_lock:
+            if self._attached:
+                _release(self._observer)
+                if attached_inspector() is self:
+                    _attached = None
+                if self._finalizer is not None:
+                    self._finalizer.detach()
+                    self._finalizer = None
+            self._attached = False
         self._pending.clear()
         self._counted.clear()
 

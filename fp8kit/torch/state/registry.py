@@ -16,13 +16,14 @@ run contribute staging 0 and are skipped by the zero-skip rule; their own stagin
 With amax reduction (``torch.distributed``, ``reduce_amax=True``, more than one rank) the event's
 staging row is all-reduced with MAX first. After that, the zero-skip rule rolls a state on every
 rank if any rank ran it and skips it on every rank if none did, so all ranks hold identical
-histories and scales. The reduction buffer is ``[staging row (N) | changed flag, fingerprint,
--fingerprint]``. Its size is that of the last layout all ranks agreed on, so ranks never reduce
-buffers of different sizes. A rank whose registry changed since then (a new module, a dead one)
-sends zeros with the flag set; every rank sees the flag, compares layouts
-(:func:`~fp8kit.torch.distributed.check_layout`) and reduces again over the new layout. The
-fingerprint pair (MAX of ``f`` and of ``-f``) detects ranks reducing different layouts of equal
-size.
+histories and scales. The reduction buffer is ``[staging row (N) | padding | changed flag,
+fingerprint, -fingerprint]``, the padding being ``N / 2`` zeros in a backward buffer (so forward
+and backward buffers of the same modules have one length: ``Layout.padding``). Its size is that
+of the last layout all ranks agreed on, so ranks never reduce buffers of different sizes. A rank
+whose registry changed since then (a new module, a dead one) sends zeros with the flag set; every
+rank sees the flag, compares layouts (:func:`~fp8kit.torch.distributed.check_layout`) and
+reduces again over the new layout. The fingerprint pair (MAX of ``f`` and of ``-f``) detects
+ranks reducing different layouts of equal size.
 """
 
 from __future__ import annotations
