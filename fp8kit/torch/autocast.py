@@ -525,8 +525,8 @@ def schedule_backward_update(state: ScalingState, recipe: DelayedScaling, group:
             "fp8kit: this backward pass runs under compiled autograd "
             "(torch._dynamo.config.compiled_autograd), which never runs the engine callback "
             "that holds fp8kit's backward update event, so the gradient scales would never "
-            "update. Run the backward pass without compiled autograd (docs/performance.md, "
-            "torch.compile)"
+            "update. Run the backward pass without compiled autograd (docs/semantics.md section "
+            "11)"
         )
     task = torch._C._current_graph_task_id()
     with _backward_lock:
