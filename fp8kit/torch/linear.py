@@ -44,6 +44,7 @@ __all__ = [
     "init_linear",
     "prepare_run",
     "resolve_params_dtype",
+    "torch_autocast_dtype",
 ]
 
 
@@ -432,6 +433,15 @@ def _differentiating_again_raises(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]
     return tuple(next(raising) if isinstance(g, torch.Tensor) else g for g in grads)
 
 
+def torch_autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype of the ``torch.autocast`` active for ``x``'s device, or None (none active, or a
+    device without autocast, such as ``meta``)."""
+    device_type = x.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -456,12 +466,11 @@ def fp8_linear(
     Returns:
         ``(*, N)`` tensor of ``x.dtype``, or of the autocast dtype inside ``torch.autocast``.
     """
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    dtype = torch_autocast_dtype(x)
+    if dtype is not None:
         # Under torch.autocast the GEMM computes in its dtype, as nn.Linear does there and
         # Transformer Engine's modules do: input and bias are cast to it, so the output (and
         # the FP8 input's amax) are those of the autocast-dtype input (docs/te_modules.md).
-        dtype = torch.get_autocast_dtype(device_type)
         x = x.to(dtype)
         bias = None if bias is None else bias.to(dtype)
     if not run.fp8:  # calibration without FP8: record the amaxes, compute in high precision

@@ -33,6 +33,7 @@ from fp8kit.torch.linear import (
     check_init_method,
     check_is_first_microbatch,
     resolve_params_dtype,
+    torch_autocast_dtype,
 )
 from fp8kit.torch.quantization import check_high_precision
 
@@ -173,15 +174,14 @@ class TransformerLayer(nn.Module):
             )
         check_is_first_microbatch(is_first_microbatch)
         x = hidden_states
-        device_type = x.device.type  # "meta" has no autocast state to ask
-        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-            x = x.to(torch.get_autocast_dtype(device_type))
+        dtype = torch_autocast_dtype(x)
+        if dtype is not None:
+            x = x.to(dtype)
         bshd = x if self.attn_input_format == "bshd" else x.transpose(0, 1)
         b, s, h = bshd.shape
         mask = self._sdpa_mask(attention_mask, b, s)
         heads, head_dim = self.num_attention_heads, h // self.num_attention_heads
-        micro = is_first_microbatch
-        qkv = self.layernorm_qkv(bshd, is_first_microbatch=micro)  # [b, s, 3h]
+        qkv = self.layernorm_qkv(bshd, is_first_microbatch=is_first_microbatch)  # [b, s, 3h]
         q, k, v = (t.view(b, s, heads, head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         attn = F.scaled_dot_product_attention(
             q,
@@ -193,9 +193,9 @@ class TransformerLayer(nn.Module):
             scale=1.0 / math.sqrt(head_dim),
         )
         attn = attn.transpose(1, 2).reshape(b, s, h)
-        attn = self.proj(attn, is_first_microbatch=micro)
+        attn = self.proj(attn, is_first_microbatch=is_first_microbatch)
         y = bshd + F.dropout(attn, self.hidden_dropout, self.training)
-        mlp = self.layernorm_mlp(y, is_first_microbatch=micro)
+        mlp = self.layernorm_mlp(y, is_first_microbatch=is_first_microbatch)
         out = y + F.dropout(mlp, self.hidden_dropout, self.training)
         return out if self.attn_input_format == "bshd" else out.transpose(0, 1)
 
