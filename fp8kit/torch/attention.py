@@ -313,8 +313,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         return out, weights
 
 
-def to_fp8_attention(old: nn.MultiheadAttention, fqn: str) -> MultiheadAttention:
-    """An :class:`MultiheadAttention` holding ``old``'s very Parameter objects (and out_proj)."""
+def to_fp8_attention(old: nn.MultiheadAttention) -> MultiheadAttention:
+    """An :class:`MultiheadAttention` holding ``old``'s very Parameter objects (and out_proj).
+    Its FP8 state is labelled by ``convert_model`` (:func:`~fp8kit.torch.label_fp8_modules`)."""
     new = MultiheadAttention(
         old.embed_dim,
         old.num_heads,
@@ -334,6 +335,6 @@ def to_fp8_attention(old: nn.MultiheadAttention, fqn: str) -> MultiheadAttention
         setattr(new, name, getattr(old, name))
     new.out_proj = old.out_proj
     device = old.out_proj.weight.device
-    new.fp8_meta = FP8Meta(num_gemms=4, device=device, label=fqn or "MultiheadAttention")
+    new.fp8_meta = FP8Meta(num_gemms=4, device=device)
     new.train(old.training)
     return new

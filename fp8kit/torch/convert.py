@@ -36,7 +36,7 @@ def label_fp8_modules(model: nn.Module) -> nn.Module:
     return model
 
 
-def _to_fp8_linear(old: nn.Linear, fqn: str) -> Linear:
+def _to_fp8_linear(old: nn.Linear) -> Linear:
     new = Linear(
         old.in_features,
         old.out_features,
@@ -47,7 +47,7 @@ def _to_fp8_linear(old: nn.Linear, fqn: str) -> Linear:
     # Keep the very same Parameter objects: optimizers and tied weights stay valid.
     new.weight = old.weight
     new.bias = old.bias
-    new.fp8_meta = FP8Meta(num_gemms=1, device=old.weight.device, label=fqn or "Linear")
+    new.fp8_meta = FP8Meta(num_gemms=1, device=old.weight.device)  # labelled by convert_model
     new.train(old.training)
     return new
 
@@ -88,11 +88,11 @@ def _carry_over(old: nn.Module, new: nn.Module) -> None:
             new.__dict__[key] = value
 
 
-def _to_fp8(old: nn.Module, fqn: str) -> nn.Module:
+def _to_fp8(old: nn.Module) -> nn.Module:
     if isinstance(old, nn.MultiheadAttention):
-        new: nn.Module = to_fp8_attention(old, fqn)
+        new: nn.Module = to_fp8_attention(old)
     else:
-        new = _to_fp8_linear(old, fqn)  # type: ignore[arg-type]
+        new = _to_fp8_linear(old)  # type: ignore[arg-type]
     _carry_over(old, new)
     return new
 
@@ -194,7 +194,7 @@ def convert_model(
         logger.info(
             "fp8kit.convert_model: converted the model itself (an nn.%s)", type(model).__name__
         )
-        return summarize_fresh_fp8_state(label_fp8_modules(_to_fp8(model, "")))
+        return summarize_fresh_fp8_state(label_fp8_modules(_to_fp8(model)))
     converted: list[str] = []
     left: list[str] = []
     reasons: dict[str, str] = {}
@@ -220,7 +220,7 @@ def convert_model(
             continue
         reason = _skip_reason(child, child_fqn, patterns, module_filter)
         if reason is None:
-            new = _to_fp8(child, child_fqn)
+            new = _to_fp8(child)
             replacements[id(child)] = new
             setattr(parent, name, new)
             converted.append(child_fqn)
