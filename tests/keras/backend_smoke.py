@@ -77,6 +77,7 @@ def torch_backend() -> None:
     np.testing.assert_array_equal(counts, [2, 2, 0])
     reused_layer_backward_keeps_its_forward_scales()
     backward_keeps_no_high_precision_input()
+    differentiating_twice_raises()
 
 
 def reused_layer_backward_keeps_its_forward_scales() -> None:
@@ -111,6 +112,27 @@ def backward_keeps_no_high_precision_input() -> None:
     gc.collect()
     assert alive() is None, "the high-precision input is kept for the backward pass"
     y.sum().backward()
+
+
+def differentiating_twice_raises() -> None:
+    """A gradient penalty through an FP8 Dense (``create_graph=True``): the first derivatives
+    equal a plain backward's; differentiating them again raises, also when the upstream
+    gradient is a constant (that of ``y.sum()``), where the kernel term was silently lost."""
+    import torch
+
+    w, b, x, _ = data(2)
+    layer = layer_with(w, b)
+    xt = torch.from_numpy(x).requires_grad_(True)
+    plain = torch.autograd.grad(layer(xt, training=False).sum(), xt)[0]
+    y = layer(xt, training=False)
+    (dx,) = torch.autograd.grad(y.sum(), xt, create_graph=True)
+    np.testing.assert_array_equal(dx.detach().numpy(), plain.numpy())
+    try:
+        (y.sum() + dx.square().sum()).backward()
+    except RuntimeError as err:
+        assert "differentiate twice" in str(err), err
+    else:
+        raise AssertionError("a second derivative through an FP8 GEMM must raise")
 
 
 def jax_backend() -> None:

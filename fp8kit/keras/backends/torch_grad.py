@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 from keras import ops
-from torch.autograd.function import once_differentiable
 
 from fp8kit.keras import gemm
 from fp8kit.keras.state import Fp8State
@@ -42,16 +41,44 @@ class _Fp8Einsum(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable  # FP8 GEMMs of saved FP8 copies: a second derivative would be wrong
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        with torch.no_grad():
+            dx, dw = _Fp8Einsum.gradients(ctx, dy)
+        if torch.is_grad_enabled():  # create_graph=True
+            dx, dw = _differentiating_again_raises(dx, dw)
+        return dx, dw, None, None, None, None
+
+    @staticmethod
+    def gradients(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """dx and dw from ``dy``; a training call's backward also updates the FP8 state."""
         x_dtype, w_dtype = ctx.dtypes
         dx, dw, bwd_obs = gemm.backward(
             ctx.plan, dy, ctx.saved, *ctx.bwd, _keras_dtype(x_dtype), _keras_dtype(w_dtype)
         )
         if ctx.training:
-            with torch.no_grad():
-                ctx.state.observe(ops.concatenate([ctx.fwd_obs, bwd_obs]))
-        return dx, dw, None, None, None, None
+            ctx.state.observe(ops.concatenate([ctx.fwd_obs, bwd_obs]))
+        return dx, dw
+
+
+_TWICE = (
+    b"fp8kit: differentiate twice through an FP8 GEMM: its gradients come from FP8 copies saved "
+    b"in the forward, so no second derivative is available (docs/semantics.md section 4)"
+)
+
+
+def _differentiating_again_raises(
+    dx: torch.Tensor, dw: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dx`` and ``dw`` joined to one autograd node that raises when anything differentiates
+    them (a backward under ``create_graph=True``).
+
+    ``torch.autograd.function.once_differentiable`` adds that node only when the upstream
+    gradient requires grad; the gradient of ``y.sum()`` does not, yet ``dx`` depends on the
+    kernel, so a gradient penalty on ``dx`` would silently lose its kernel term."""
+    joined = torch._C._functions.DelayedError(_TWICE, 2)(
+        dx.detach().requires_grad_(), dw.detach().requires_grad_()
+    )
+    return joined[0], joined[1]
 
 
 def _keras_dtype(dtype: torch.dtype) -> str:
