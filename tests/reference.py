@@ -111,7 +111,8 @@ def update_reference(
             continue
         window = np.concatenate([h[1:, j], [r]])
         if algo == "max":
-            amax = np.float32(np.nanmax(window))
+            seen = window[~np.isnan(window)]
+            amax = np.float32(seen.max() if seen.size else np.nan)  # NaN ignored
         elif algo == "most_recent":
             amax = np.float32(r)
         else:

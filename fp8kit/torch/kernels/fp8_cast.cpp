@@ -1274,13 +1274,13 @@ int64_t update_block(float* hist, int64_t L, int64_t N, int64_t j0, int64_t w, f
     float v = staging != nullptr ? staging[j0 + j] : hist[j0 + j];
     if (ran != nullptr && ran[j0 + j] == 0) v = 0.0f;
     r[j] = v;
-    amax[j] = v;
+    amax[j] = v == v ? v : 0.0f;  // NaN ignored (section 3); 0 keeps the scale as NaN would
     run[j] = v != 0.0f;  // NaN counts as run, as torch's `!= 0`
   }
   for (int64_t i = 1; i < L; ++i) {
     const float* row = hist + i * N + j0;
     if (algo == 0) {
-      for (int64_t j = 0; j < w; ++j) amax[j] = row[j] > amax[j] ? row[j] : amax[j];
+      for (int64_t j = 0; j < w; ++j) amax[j] = row[j] > amax[j] ? row[j] : amax[j];  // NaN: no
     }
     if (i >= 2) {
       float* prev = hist + (i - 1) * N + j0;

@@ -216,7 +216,10 @@ def delayed_update(
         current = torch.where(ran, current, 0.0)
     run = current != 0
     if config.algo_id == 0 and history.shape[0] > 1:
-        window_amax = torch.maximum(history[1:].amax(dim=0), current)
+        # NaN ignored (docs/semantics.md section 3): fmax takes the other operand; an all-NaN
+        # window gives -inf, which keeps the scale.
+        completed = history[1:].nan_to_num(-torch.inf, torch.inf).amax(dim=0)
+        window_amax = torch.fmax(completed, current)
     else:
         window_amax = current
     new_history = roll_history(history, current, run)

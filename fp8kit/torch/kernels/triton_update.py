@@ -65,14 +65,15 @@ if triton is not None:
             ran = tl.load(ran_ptr.to(tl.pointer_type(tl.uint8), bitcast=True) + cols, mask=cmask)
             r = tl.where(ran != 0, r, 0.0)
         run = (r != 0.0) & cmask
-        amax = r
+        amax = tl.where(r == r, r, 0.0)  # NaN ignored (docs/semantics.md section 3)
         for i0 in range(1, L, ROWS):
             rows = i0 + tl.arange(0, ROWS)
             rmask = rows < L
             ptrs = h_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
             tile = tl.load(ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0)
             if ALGO == 0:
-                amax = tl.maximum(amax, tl.max(tile, axis=0))
+                clean = tl.where(tile == tile, tile, 0.0)  # whatever tl.maximum does with NaN
+                amax = tl.maximum(amax, tl.max(clean, axis=0))
             tl.debug_barrier()  # the tile is read by every thread before rows are overwritten
             tl.store(ptrs - N, tile, mask=(rows[:, None] >= 2) & rmask[:, None] & run[None, :])
         if L >= 2:
