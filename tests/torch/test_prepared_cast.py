@@ -4,6 +4,8 @@ a slot's prepared casts follow its buffers when they are replaced."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -108,3 +110,37 @@ def test_prepared_casts_follow_replaced_buffers() -> None:
         layer(x * 3)
     assert state.amax_history.shape[0] == 8
     assert state.amax_history[0, 0].item() == (x * 3).abs().max().item()
+
+
+def test_prepared_casts_and_events_follow_share_memory() -> None:
+    """``Module.share_memory()`` moves the buffers' storage in place (same tensors, new
+    addresses): later steps record into and update the moved buffers, exactly as an unshared
+    copy trained on the same inputs does. Prepared casts and update events bound to the old
+    addresses left the staging row at 0 and wrote into freed memory."""
+    torch.manual_seed(0)
+    recipe = DelayedScaling(amax_history_len=4)
+    shared = f8.Linear(32, 16)
+    inputs = [torch.randn(8, 32) * 10**k for k in range(5)]
+
+    def step(layer: f8.Linear, x: torch.Tensor) -> torch.Tensor:
+        with f8.autocast(recipe=recipe):
+            y = layer(x)
+        y.sum().backward()
+        return y.detach()
+
+    for x in inputs[:2]:  # the first event moves the state into its pool; both casts prepared
+        step(shared, x)
+    plain = copy.deepcopy(shared)
+    shared.share_memory()
+    assert shared.fp8_meta.forward.amax_history.is_shared()
+    with torch.no_grad(), f8.autocast(recipe=recipe):
+        shared(inputs[2])
+        plain(inputs[2])
+    staging = shared.fp8_meta.forward.amax_history[0, 0]
+    assert staging.item() == inputs[2].abs().max().item()
+    for x in inputs[3:]:
+        assert torch.equal(step(shared, x), step(plain, x))
+    for direction in ("forward", "backward"):
+        a, b = getattr(shared.fp8_meta, direction), getattr(plain.fp8_meta, direction)
+        for name in ("amax_history", "scale", "scale_inv", "update_count"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (direction, name)

@@ -185,6 +185,7 @@ class ScalingState(nn.Module):
         for name, buf in self._buffers.items():
             if buf is None:
                 continue
+            address = buf.data_ptr()
             moved = fn(buf)
             if moved.dtype != buf.dtype:
                 moved = (
@@ -195,6 +196,11 @@ class ScalingState(nn.Module):
             materialised |= buf.is_meta and not moved.is_meta
             if moved is not buf:
                 self._buffers[name] = moved
+                _buffers_replaced()
+            elif moved.data_ptr() != address:
+                # Moved in place (``share_memory_``): the same tensor at a new address, which the
+                # prepared casts and update events hold (docs/performance.md).
+                self._slot_views_of = ()
                 _buffers_replaced()
         if materialised:
             # Off the meta device (``module.to_empty``, as FSDP2 / torchtitan initialise): a meta

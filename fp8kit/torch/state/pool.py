@@ -39,6 +39,7 @@ class StatePool:
         # Anything derived from the pool's tensors by their users (the prepared update event of
         # fp8kit.torch.state.apply), dropped whenever the tensors are replaced.
         self.derived: dict[object, object] = {}
+        self._synced_addresses = self._addresses()
 
     @property
     def num_slots(self) -> int:
@@ -68,6 +69,9 @@ class StatePool:
         current values into new pool tensors (one ``cat`` per buffer kind).
         """
         if self._intact(states):
+            if self._addresses() != self._synced_addresses:  # storage moved in place
+                self.derived = {}
+                self._synced_addresses = self._addresses()
             self._generation = buffer_generation()
             return
         if not states:
@@ -107,7 +111,22 @@ class StatePool:
             state.adopt_buffers(views)
             self._views.append(views)
             offset += state.num_slots
+        self._synced_addresses = self._addresses()
         self._generation = buffer_generation()
+
+    def _addresses(self) -> tuple[int, ...]:
+        """Where the pool tensors' data lives: ``Module.share_memory()`` moves it in place,
+        invalidating what :attr:`derived` prepared on the old addresses."""
+        return tuple(
+            t.data_ptr()
+            for t in (
+                self.history,
+                self.scale,
+                self.scale_inv,
+                self.update_count,
+                self.nonfinite_count,
+            )
+        )
 
     def slot_mask(self, chosen: Sequence[ScalingState]) -> torch.Tensor:
         """Boolean ``(N,)`` device mask of the columns of the ``chosen`` member states.
