@@ -108,14 +108,20 @@ def check_gemm_contract(a: Float8Tensor, b: Float8Tensor) -> None:
     _check_scale("b", b.scale_inv, b.device)
 
 
-def check_bias_contract(bias: torch.Tensor, n: int, out_dtype: torch.dtype) -> None:
+def check_bias_contract(
+    bias: torch.Tensor, n: int, out_dtype: torch.dtype, device: torch.device
+) -> None:
     """Raise :class:`Fp8GemmContractError` unless cuBLASLt can fuse ``bias`` into the GEMM.
 
     cuBLASLt adds a bias only to a bfloat16 / float16 output, from a bias of the output's dtype
-    (``torch._scaled_mm`` refuses a bias with a float32 output).
+    (``torch._scaled_mm`` refuses a bias with a float32 output), on the operands' ``device``.
     """
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be None or a tensor, got {type(bias).__name__}")
     if bias.shape != (n,):
         raise Fp8GemmContractError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    if bias.device != device:
+        raise Fp8GemmContractError(f"bias is on {bias.device}, a and b on {device}")
     if not cublaslt_fuses_bias(out_dtype, bias):
         raise Fp8GemmContractError(
             f"a fused bias needs out_dtype bfloat16 or float16 and a bias of that dtype, got "
@@ -145,12 +151,14 @@ def scaled_mm(
         ``(M, N)`` tensor of ``out_dtype``.
     """
     check_gemm_contract(a, b)
+    if not isinstance(use_fast_accum, bool):
+        raise TypeError(f"use_fast_accum must be a bool, got {use_fast_accum!r}")
     if out_dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(
             f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {out_dtype}"
         )
     if bias is not None:
-        check_bias_contract(bias, b.shape[1], out_dtype)
+        check_bias_contract(bias, b.shape[1], out_dtype, a.device)
     return fp8_gemm(
         a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, bias=bias, fast_accum=use_fast_accum
     )

@@ -75,6 +75,12 @@ def test_layout_dtype_and_scale_rules() -> None:
         f8.scaled_mm(a, _fp8(torch.randn(16, 48)).t())
     with pytest.raises(TypeError, match="out_dtype"):
         f8.scaled_mm(a, b_col, torch.int32)
+    with pytest.raises(TypeError, match="use_fast_accum must be a bool"):
+        f8.scaled_mm(a, b_col, use_fast_accum="yes")  # type: ignore[arg-type]
+    # A bias on another device (meta here, CUDA on a GPU machine) was dropped without a word.
+    meta_bias = torch.zeros(16, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(Fp8GemmContractError, match="bias is on meta, a and b on cpu"):
+        f8.scaled_mm(a, b_col, torch.bfloat16, bias=meta_bias)
     assert issubclass(Fp8GemmContractError, ValueError)
 
 

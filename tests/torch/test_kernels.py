@@ -1457,6 +1457,15 @@ def test_api_errors_name_the_parameter() -> None:
         kernels.cast_fp8(x, s, E4M3, backend="cuda")
     with pytest.raises(TypeError, match="x must be a float32, bfloat16 or float16 tensor"):
         kernels.compute_amax(x.int())
+    # Tensors on another device (meta here): the native kernel would read a null pointer,
+    # or skip the amax fold.
+    meta = torch.device("meta")
+    with pytest.raises(TypeError, match=r"scale must be .* on x's device \(cpu\), got .* on meta"):
+        kernels.cast_fp8(x, s.to(meta), E4M3)
+    with pytest.raises(TypeError, match=r"amax_out must be .* on x's device"):
+        kernels.cast_fp8(x, s, E4M3, amax_out=torch.zeros((), device=meta))
+    with pytest.raises(ValueError, match=r"backend='native' runs on CPU tensors only, got x on"):
+        kernels.cast_fp8(x.to(meta), s.to(meta), E4M3, backend="native")
     if torch.cuda.is_available():
         with pytest.raises(TypeError, match=r"scale must be .* on x's device"):
             kernels.cast_fp8(x, s.cuda(), E4M3)

@@ -395,6 +395,8 @@ def test_update_errors_name_the_parameter() -> None:
         call(staging=torch.ones(2))
     with pytest.raises(TypeError, match="nonfinite_count must be"):
         call(nonfinite_count=torch.zeros(3))
+    with pytest.raises(TypeError, match=r"nonfinite_count must be .* on history's device"):
+        call(nonfinite_count=torch.zeros(3, dtype=torch.int64, device="meta"))  # was ignored
     with pytest.raises(ValueError, match="algo must be one of"):
         call(algo=lambda h: h[0])
     with pytest.raises(ValueError, match="interval must be an int >= 1"):

@@ -154,6 +154,8 @@ def _call(x: torch.Tensor, backend: str | None, method: str, *args: object) -> o
         name, impl = _auto(x)
     else:
         name, impl = backend, _forced(backend)
+        if name == "native" and not x.is_cpu:
+            raise ValueError(f"backend='native' runs on CPU tensors only, got x on {x.device}")
     if name != "triton" or backend is not None:
         return getattr(impl, method)(*args)
     try:
@@ -175,13 +177,7 @@ def _describe(t: object) -> str:
 
 def _check_one(name: str, t: object, dtype: torch.dtype, x: torch.Tensor) -> None:
     """``t`` must be a one-element ``dtype`` tensor on ``x``'s device."""
-    if (
-        isinstance(t, torch.Tensor)
-        and t.dtype is dtype
-        and t.numel() == 1
-        and t.is_cuda is x.is_cuda
-        and t.get_device() == x.get_device()
-    ):
+    if isinstance(t, torch.Tensor) and t.dtype is dtype and t.numel() == 1 and t.device == x.device:
         return
     raise TypeError(
         f"{name} must be a {dtype} tensor with one element on x's device ({x.device}), "
@@ -496,8 +492,7 @@ def _check_update(
             and t.dtype is dtype
             and t.shape == (n,)
             and t.is_contiguous()
-            and t.is_cuda is history.is_cuda
-            and t.get_device() == history.get_device()
+            and t.device == history.device
         ):
             raise TypeError(
                 f"{name} must be a contiguous {dtype} tensor of shape ({n},) on history's "
