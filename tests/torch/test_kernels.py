@@ -1083,6 +1083,9 @@ def api_cases() -> tuple[CastCase, ...]:
         CastCase(
             "0-d", "cast", torch.tensor(-300.0, dtype=torch.bfloat16), E4M3, 3.0, fold="slice"
         ),
+        # a lazily negated view: its memory holds the values before negation
+        CastCase("lazily negated", "cast", torch._neg_view(base[:2]), E4M3, 3.0),
+        CastCase("lazily negated T", "cast", torch._neg_view(base), E5M2, 3.0, True, True),
     ]
     for dtype in (torch.bfloat16, torch.float16):
         pairs = _dbias_pairs(dtype)
@@ -1621,3 +1624,23 @@ def test_triton_failure_warns_once_then_runs_the_reference(monkeypatch: pytest.M
     assert len(ours) == 1 and "ptxas not found" in str(ours[0].message)
     assert attempts == ["cast"]
     assert not kernels.triton_available()
+
+
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_kernels_leave_autograd_alone(backend: str) -> None:
+    """An input that requires grad: the kernels' outputs do not, and the amax entry they fold
+    into (a view of an FP8 state's history) stays out of the autograd graph (the reference
+    backend pulled the history into it, through ``clamp_``)."""
+    if backend == "native" and not kernels.native_available():
+        pytest.skip(f"native kernel unavailable: {kernels.native_build_error()}")
+    x = torch.randn(16, 32, requires_grad=True)
+    history = torch.zeros(4, 3)
+    s = torch.tensor(2.0)
+    r = kernels.cast_fp8(x, s, E4M3, transpose=True, amax_out=history[0, :1], backend=backend)
+    assert history.grad_fn is None and not history.requires_grad
+    c = kernels.cast_fp8_current(x, E5M2, transpose=True, dbias=True, backend=backend)
+    a = kernels.compute_amax(x, backend=backend)
+    kernels.compute_amax(x, amax_out=history[0, 1:2], backend=backend)
+    assert history.grad_fn is None and not history.requires_grad
+    outputs = [*r, *c, a]
+    assert not any(isinstance(t, torch.Tensor) and t.requires_grad for t in outputs)

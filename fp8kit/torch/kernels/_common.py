@@ -26,6 +26,7 @@ __all__ = [
     "UpdateConfig",
     "cast_spec",
     "current_config",
+    "dense",
     "empty",
     "float32_round",
     "split_float32",
@@ -228,3 +229,12 @@ def current_config(fmax: float, power_2_scale: bool) -> UpdateConfig:
 
 for _spec in _SPECS.values():
     _spec.current_rules = (current_config(_spec.fmax, False), current_config(_spec.fmax, True))
+
+
+def dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as row-major memory a kernel can walk through its pointer (a copy only when it is
+    not already); a lazily negated view (``x.neg()`` of a conjugate-free view, ``torch._neg_view``)
+    is materialised, since its memory holds the values before negation."""
+    if x.is_neg():
+        x = x.resolve_neg()
+    return x if x.is_contiguous() else x.contiguous()

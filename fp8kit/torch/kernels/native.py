@@ -13,7 +13,14 @@ from collections.abc import Callable
 
 import torch
 
-from fp8kit.torch.kernels._common import CastResult, CastSpec, UpdateConfig, cast_spec, empty
+from fp8kit.torch.kernels._common import (
+    CastResult,
+    CastSpec,
+    UpdateConfig,
+    cast_spec,
+    dense,
+    empty,
+)
 from fp8kit.torch.kernels._native import (
     _FP8_FMT_IDS,
     ISA_AUTO,
@@ -38,13 +45,6 @@ __all__ = [
 _F32 = torch.float32
 _IN_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MODE_GIVEN, _MODE_CURRENT, _MODE_FIRST_STEP = 0, 1, 2
-
-
-def _dense(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as row-major memory the kernel can walk (a copy only when it is not already)."""
-    if x.is_neg():  # a lazily negated view: materialise the negation
-        x = x.resolve_neg()
-    return x if x.is_contiguous() else x.contiguous()
 
 
 def _run(
@@ -91,7 +91,7 @@ def _launch(
     ``rule`` is :func:`_cast_rule`'s tuple, as Python values or as ctypes values converted once
     (:class:`PreparedCast`); ``amax_ptr`` None asks for the amax as a new tensor. Outputs are
     allocated with sizes as separate ints, the form torch parses fastest (:func:`empty`)."""
-    x = _dense(x)
+    x = dense(x)
     if transpose or dbias:
         m, n = x.shape
     else:
@@ -191,7 +191,7 @@ def cast_current(
 def amax(x: torch.Tensor, amax_out: torch.Tensor | None) -> torch.Tensor | None:
     """:func:`fp8kit.torch.kernels.compute_amax` in one native call."""
     lib = load_native()
-    x = _dense(x)
+    x = dense(x)
     out = torch.empty(size=(), dtype=_F32) if amax_out is None else None
     status = lib.amax_fused(
         x.data_ptr(),
@@ -308,7 +308,7 @@ def gemm_epilogue(
     m, n = acc.shape
     out = acc if out_dtype is _F32 else torch.empty(m, n, dtype=out_dtype)
     if bias is not None:
-        bias = _dense(bias)
+        bias = dense(bias)
     status = lib.gemm_epilogue(
         acc.data_ptr(),
         m,
@@ -348,7 +348,7 @@ def small_fp8_gemm(
         b_sk, b_sn = b.stride()
     out = torch.empty(m, n, dtype=out_dtype)
     if bias is not None:
-        bias = _dense(bias)
+        bias = dense(bias)
     a_sm, a_sk = a.stride()
     status = lib.small_gemm(
         a.data_ptr(),

@@ -175,6 +175,7 @@ def cast(
     first_step_count: torch.Tensor | None,
 ) -> CastResult:
     """:func:`fp8kit.torch.kernels.cast_fp8` in torch ops."""
+    x = x.detach()  # a kernel, as the others: nothing it writes joins x's autograd graph
     a = nan_ignoring_amax(x)
     s = scale.reshape(())
     if first_step_count is not None:
@@ -187,13 +188,14 @@ def cast_current(
     x: torch.Tensor, spec: CastSpec, power_2_scale: bool, transpose: bool, dbias: bool
 ) -> CastResult:
     """:func:`fp8kit.torch.kernels.cast_fp8_current` in torch ops."""
+    x = x.detach()
     a = nan_ignoring_amax(x)
     return _finish(x, _current_scale(a, spec.fmax, power_2_scale), a, spec, transpose, None, dbias)
 
 
 def amax(x: torch.Tensor, amax_out: torch.Tensor | None) -> torch.Tensor | None:
     """:func:`fp8kit.torch.kernels.compute_amax` in torch ops."""
-    a = nan_ignoring_amax(x)
+    a = nan_ignoring_amax(x.detach())
     if amax_out is None:
         return a
     amax_out.clamp_(min=a)

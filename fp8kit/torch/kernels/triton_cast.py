@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from fp8kit.formats import FP8Format
-from fp8kit.torch.kernels._common import CastResult, CastSpec, cast_spec, empty
+from fp8kit.torch.kernels._common import CastResult, CastSpec, cast_spec, dense, empty
 
 try:  # optional dependency
     import triton
@@ -439,8 +439,7 @@ def _launch(
     dbias: bool,
     out: torch.Tensor | None = None,
 ) -> CastResult:
-    if not x.is_contiguous():
-        x = x.contiguous()
+    x = dense(x)
     sms = _sms(x)
     device = x.device
     partials, n_partials = (None, 0)
@@ -558,8 +557,7 @@ def cast_current(
 def amax(x: torch.Tensor, amax_out: torch.Tensor | None) -> torch.Tensor | None:
     """:func:`fp8kit.torch.kernels.compute_amax` with Triton (1 kernel, +1 fill without
     ``amax_out``)."""
-    if not x.is_contiguous():
-        x = x.contiguous()
+    x = dense(x)
     out = torch.zeros((), dtype=_F32, device=x.device) if amax_out is None else None
     target = amax_out if out is None else out
     n = x.numel()
@@ -596,8 +594,8 @@ def triton_cast(
     """
     spec = cast_spec(fmt, x)
     out = torch.empty_like(x, dtype=spec.fp8_dtype)
-    src = x
-    if x.stride() != out.stride():  # not dense in empty_like's layout: densify in that layout
+    src = x.resolve_neg()  # its memory holds the values before a lazy negation
+    if src.stride() != out.stride():  # not dense in empty_like's layout: densify in that layout
         src = torch.empty_like(x)
         src.copy_(x)
     if x.numel() == 0:
