@@ -103,7 +103,7 @@ def check_scale_number(scale: float, name: str = "scale") -> float:
         value = math.inf
     if not FLOAT32_MIN_NORMAL <= value <= FLOAT32_MAX:  # also False for NaN
         raise ValueError(
-            f"{name} must be a finite number from 2**-126 to {FLOAT32_MAX:.8g} (a positive normal "
+            f"{name} must be a finite number from 2**-126 to {FLOAT32_MAX!r} (a positive normal "
             f"float32, so that it and its reciprocal are finite), got {scale!r}"
         )
     return value

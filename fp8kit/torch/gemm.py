@@ -441,6 +441,11 @@ def fp8_matmul(
                 f"bias must be a tensor of shape ({n},) or ({m}, {n}), got "
                 f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}"
             )
+        if bias.dtype not in HIGH_PRECISION_DTYPES or bias.device != y.device:
+            raise TypeError(
+                f"bias must be a torch.float32, torch.bfloat16 or torch.float16 tensor on "
+                f"{y.device}, got {bias.dtype} on {bias.device}"
+            )
         y = y + bias.to(torch.float32)
     y = _apply_activation(y, activation)
     if out_scale is None:

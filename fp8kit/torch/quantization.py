@@ -119,13 +119,15 @@ def dequantize(t: Float8Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
     t.scale_inv``; on the CPU the native kernel (:func:`fp8kit.torch.kernels.dequantize_fp8`)
     computes the same bits in one pass (and rounds to bfloat16 in the same pass).
     """
+    check_float8_tensor(t, "t")
     if dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(
             f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}"
         )
+    scale_inv = t.scale_inv.reshape(())  # one element: it must not broadcast into the shape
     if t.data.device.type == "cpu":
-        return kernels.dequantize_fp8(t.data, t.scale_inv, dtype)  # torch where no kernel fits
-    out = t.data.to(torch.float32) * t.scale_inv
+        return kernels.dequantize_fp8(t.data, scale_inv, dtype)  # torch where no kernel fits
+    out = t.data.to(torch.float32) * scale_inv
     return out if dtype == torch.float32 else out.to(dtype)
 
 
@@ -283,6 +285,9 @@ def quantize_current(
     ``transpose`` (2-D ``x``): also produce ``data_t`` in the casting pass.
     """
     check_high_precision(x)
+    for name, flag in (("power_2_scale", power_2_scale), ("transpose", transpose)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
     fmt = fp8_format_of(fp8_dtype)
     amax = nan_ignoring_amax(x)
     scale = current_scale(amax, fmt, power_2_scale)

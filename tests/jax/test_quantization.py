@@ -170,7 +170,7 @@ def test_zero_negative_or_non_finite_float_scale_is_refused(scale: float) -> Non
     with pytest.raises(ValueError) as info:
         f8.quantize(np.ones(3, np.float32), scale, E4M3)
     assert str(info.value) == (
-        "scale must be a finite number from 2**-126 to 3.4028235e+38 (a positive normal "
+        "scale must be a finite number from 2**-126 to 3.4028234663852886e+38 (a positive normal "
         f"float32, so that it and its reciprocal are finite), got {scale!r}"
     )
     q = f8.quantize(np.ones(3, np.float32), 2.0**-126, E5M2)  # the smallest allowed scale

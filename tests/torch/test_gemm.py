@@ -159,6 +159,13 @@ def test_fp8_matmul_bad_input() -> None:
         f8.fp8_matmul(a, a)
     with pytest.raises(ValueError, match="bias must be a tensor of shape"):
         f8.fp8_matmul(a, b, bias=torch.randn(15))
+    # An integer or float64 bias was converted to float32 without a word; another device's
+    # failed inside torch without naming the bias.
+    for bias in (torch.ones(16, dtype=torch.int64), torch.ones(16, dtype=torch.float64)):
+        with pytest.raises(TypeError, match=r"bias must be a torch\.float32, torch\.bfloat16"):
+            f8.fp8_matmul(a, b, bias=bias)
+    with pytest.raises(TypeError, match=r"bias must be .* on cpu, got torch\.float32 on meta"):
+        f8.fp8_matmul(a, b, bias=torch.ones(16, device="meta"))
     with pytest.raises(ValueError, match="activation must be None or one of"):
         f8.fp8_matmul(a, b, activation="swish")
     with pytest.raises(ValueError, match="out_fp8_dtype is given"):

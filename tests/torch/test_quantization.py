@@ -145,6 +145,23 @@ def test_bad_input_messages() -> None:
     with pytest.raises(ValueError, match=r"^scale_inv must be a finite number"):
         f8.quantize(x, 2.0, torch.float8_e4m3fn, scale_inv=0.0)
     assert f8.quantize(x, 2.0, torch.float8_e4m3fn, scale_inv=0.5).scale_inv.item() == 0.5
+    # Not bools: a truthy string asked for power-of-two scales.
+    for flag in ("power_2_scale", "transpose"):
+        with pytest.raises(TypeError, match=f"{flag} must be a bool, got 'no'"):
+            f8.quantize_current(x.view(2, 2), torch.float8_e4m3fn, **{flag: "no"})
+
+
+def test_dequantize_checks_its_float8_tensor() -> None:
+    """Data that is not FP8 and a scale_inv that is not one float32 element were multiplied
+    anyway (a (1, 1, 1) scale_inv changed the result's shape)."""
+    q = f8.quantize(torch.randn(4, 16), 2.0, torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"t\.data's dtype must be one of"):
+        f8.dequantize(f8.Float8Tensor(torch.tensor([1, 2, 3]), torch.tensor(0.5)))
+    for bad in (torch.tensor([1.0, 100.0]), torch.tensor(0.5, dtype=torch.float64)):
+        with pytest.raises(TypeError, match=r"t\.scale_inv must be a float32 tensor with one"):
+            f8.Float8Tensor(q.data[:, :2], bad).dequantize()
+    nested = f8.Float8Tensor(q.data, torch.tensor([[[0.5]]]))
+    assert torch.equal(nested.dequantize(), q.data.float() * 0.5)
 
 
 BAD_SCALES = [0, 0.0, -0.0, -1.0, -3, math.nan, math.inf, -math.inf, 1e39, 1e-39, 2.0**-127]
@@ -156,7 +173,7 @@ def test_zero_negative_or_non_finite_float_scale_is_refused(scale: float) -> Non
     with pytest.raises(ValueError) as info:
         f8.quantize(torch.ones(4), scale, torch.float8_e4m3fn)
     assert str(info.value) == (
-        "scale must be a finite number from 2**-126 to 3.4028235e+38 (a positive normal "
+        "scale must be a finite number from 2**-126 to 3.4028234663852886e+38 (a positive normal "
         f"float32, so that it and its reciprocal are finite), got {scale!r}"
     )
 
