@@ -33,7 +33,7 @@ import torch
 from fp8kit.formats import E4M3, E5M2, FP8Format
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch import kernels
-from fp8kit.torch.kernels import dispatch, native
+from fp8kit.torch.kernels import _native, dispatch, native
 from fp8kit.torch.kernels._common import cast_spec as _spec
 from fp8kit.torch.quantization import (
     Float8Tensor,
@@ -1644,3 +1644,13 @@ def test_kernels_leave_autograd_alone(backend: str) -> None:
     assert history.grad_fn is None and not history.requires_grad
     outputs = [*r, *c, a]
     assert not any(isinstance(t, torch.Tensor) and t.requires_grad for t in outputs)
+
+
+def test_disable_native_variable_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8KIT_DISABLE_NATIVE=y (or any unknown value) used to leave the kernels on silently."""
+    for value, disabled in (("1", True), (" On ", True), ("0", False), ("off", False)):
+        monkeypatch.setenv("FP8KIT_DISABLE_NATIVE", value)
+        assert _native._disabled_by_env() is disabled, value
+    monkeypatch.setenv("FP8KIT_DISABLE_NATIVE", "y")
+    with pytest.raises(ValueError, match=r"FP8KIT_DISABLE_NATIVE must be one of .* got 'y'"):
+        _native._disabled_by_env()

@@ -395,6 +395,14 @@ def test_update_errors_name_the_parameter() -> None:
         call(staging=torch.ones(2))
     with pytest.raises(TypeError, match="nonfinite_count must be"):
         call(nonfinite_count=torch.zeros(3))
+    # Valid twins seen first (cached by value): True == 1 and 0 == False must still raise.
+    call(margin=1, interval=1, power_2_scale=False)
+    with pytest.raises(TypeError, match="margin must be a finite int or float, got True"):
+        call(margin=True)
+    with pytest.raises(ValueError, match="interval must be an int >= 1, got True"):
+        call(interval=True)
+    with pytest.raises(TypeError, match="power_2_scale must be a bool, got 0"):
+        call(power_2_scale=0)
     with pytest.raises(TypeError, match=r"nonfinite_count must be .* on history's device"):
         call(nonfinite_count=torch.zeros(3, dtype=torch.int64, device="meta"))  # was ignored
     with pytest.raises(ValueError, match="algo must be one of"):

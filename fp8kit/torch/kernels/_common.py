@@ -178,7 +178,9 @@ def update_config(
     fmax: float, margin: float, interval: int, algo: str, power_2_scale: bool
 ) -> UpdateConfig:
     """Validate and resolve the update rule's parameters (cached: one dict lookup when seen)."""
-    key = (fmax, margin, interval, algo, power_2_scale)
+    # Types in the key: True == 1 and 0 == False hash alike, and only the valid one is cached.
+    key = (fmax, margin, interval, algo, power_2_scale, type(margin), type(interval))
+    key += (type(power_2_scale), type(fmax))
     config = _UPDATE_CONFIGS.get(key)
     if config is not None:
         return config

@@ -76,8 +76,17 @@ _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": False, "lib": None, "error": None}
 
 
+_ENV_ON, _ENV_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def _disabled_by_env() -> bool:
-    return os.environ.get("FP8KIT_DISABLE_NATIVE", "").strip().lower() in ("1", "true", "yes", "on")
+    value = os.environ.get("FP8KIT_DISABLE_NATIVE", "").strip().lower()
+    if value not in _ENV_ON + _ENV_OFF:
+        raise ValueError(
+            f"FP8KIT_DISABLE_NATIVE must be one of {_ENV_ON} (disable the native kernels) or "
+            f"{_ENV_OFF[1:]} (or unset), got {os.environ['FP8KIT_DISABLE_NATIVE']!r}"
+        )
+    return value in _ENV_ON
 
 
 def cache_dir() -> Path:
