@@ -1,11 +1,17 @@
-"""Argument rules of the low-level ``fp8_matmul`` (docs/semantics.md section 7), shared by every
-frontend."""
+"""Rules of an FP8 GEMM that every frontend shares: the arguments of the low-level
+``fp8_matmul`` (docs/semantics.md section 7) and the error for a second derivative (section 4)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["ACTIVATIONS", "check_activation", "check_matmul_args"]
+__all__ = ["ACTIVATIONS", "SECOND_DERIVATIVE_ERROR", "check_activation", "check_matmul_args"]
+
+SECOND_DERIVATIVE_ERROR = (
+    "fp8kit: differentiate twice through an FP8 GEMM: its gradients come from FP8 copies saved "
+    "in the forward, so no second derivative is available (docs/semantics.md section 4)"
+)
+"""What differentiating an FP8 GEMM's gradients (a gradient penalty) raises, in every frontend."""
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
 """Activations ``fp8_matmul`` can apply after the bias."""

@@ -54,6 +54,7 @@ from fp8kit.jax.quantization import (
     current_scale,
     nan_ignoring_amax,
 )
+from fp8kit.matmul_args import SECOND_DERIVATIVE_ERROR
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
 __all__ = ["dot_general", "dot_general_chained", "varying_axes"]
@@ -351,7 +352,23 @@ def _fp8_dot_bwd(
         # too, and f8.update refuses the sum (docs/jax.md, "Reuse, scan, remat, microbatches").
         step=jnp.maximum(meta_ct.step, jnp.where(both[0] >= 0, 1.0, 1.0)),
     )
+    dx, dw, db = _first_derivatives_only(dx, dw, db)
     return dx, dw, db, meta_in_ct
+
+
+@jax.custom_jvp
+def _first_derivatives_only(
+    dx: jax.Array, dw: jax.Array, db: jax.Array | None
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """The gradients unchanged; differentiating them (``jax.grad`` of a gradient penalty) raises
+    at trace time: JAX would otherwise differentiate the FP8 backward rule itself, a silently
+    wrong second derivative (docs/semantics.md section 4)."""
+    return dx, dw, db
+
+
+@_first_derivatives_only.defjvp
+def _differentiating_again_raises(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> Any:
+    raise TypeError(SECOND_DERIVATIVE_ERROR)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))

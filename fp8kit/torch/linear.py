@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8kit.matmul_args import SECOND_DERIVATIVE_ERROR
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch.autocast import FP8Settings, current_settings
 from fp8kit.torch.gemm import GEMM_ALIGNMENT, cublaslt_fuses_bias, fp8_gemm_bias_t, padded_mm
@@ -408,10 +409,7 @@ class _LinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None
 
 
-_TWICE = (
-    b"fp8kit: differentiate twice through an FP8 GEMM: its gradients come from FP8 copies saved "
-    b"in the forward, so no second derivative is available (docs/semantics.md section 4)"
-)
+_TWICE = SECOND_DERIVATIVE_ERROR.encode()
 
 
 def _differentiating_again_raises(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:

@@ -386,3 +386,26 @@ def test_bad_arguments_are_reported(operands) -> None:
         f8.init_meta(0)
     with pytest.raises(TypeError, match="recipe must be"):
         f8.init_meta(1, "hybrid")
+
+
+def test_differentiating_the_gradients_raises(operands) -> None:
+    """A gradient penalty (``jax.grad`` of a function of ``jax.grad``) through an FP8 GEMM: the
+    first derivatives are those of a plain ``jax.grad``; differentiating them raises, as in
+    fp8kit.torch, where JAX differentiated the FP8 backward rule, a silently wrong answer (39%
+    off the high-precision one in review). Forward-over-reverse (``jax.jvp`` of a gradient) too."""
+    x, w, _ = operands
+    meta = f8.init_meta(1, f8.DelayedScaling(amax_history_len=2))
+
+    def loss(x, w):
+        return jnp.sum(jnp.tanh(f8.dot_general(x, w, DIMS, meta)))
+
+    dx = jax.grad(loss)(x, w)
+    close(jax.jit(jax.grad(loss))(x, w), dx)  # under jit too (XLA may fuse tanh' differently)
+
+    def penalty(w):
+        return jnp.sum(jax.grad(loss)(x, w) ** 2)
+
+    with pytest.raises(TypeError, match="differentiate twice through an FP8 GEMM"):
+        jax.grad(penalty)(w)
+    with pytest.raises(TypeError, match="differentiate twice through an FP8 GEMM"):
+        jax.jvp(lambda w: jax.grad(loss, argnums=1)(x, w), (w,), (jnp.ones_like(w),))

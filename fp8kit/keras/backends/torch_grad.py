@@ -14,6 +14,7 @@ from keras import ops
 
 from fp8kit.keras import gemm
 from fp8kit.keras.state import Fp8State
+from fp8kit.matmul_args import SECOND_DERIVATIVE_ERROR
 
 __all__ = ["fp8_einsum"]
 
@@ -60,10 +61,7 @@ class _Fp8Einsum(torch.autograd.Function):
         return dx, dw
 
 
-_TWICE = (
-    b"fp8kit: differentiate twice through an FP8 GEMM: its gradients come from FP8 copies saved "
-    b"in the forward, so no second derivative is available (docs/semantics.md section 4)"
-)
+_TWICE = SECOND_DERIVATIVE_ERROR.encode()
 
 
 def _differentiating_again_raises(
