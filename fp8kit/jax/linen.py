@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import meta
 from flax.linen.dtypes import promote_dtype
 from jax import lax
 
@@ -160,6 +161,14 @@ class Dense(_Fp8Layer):
         return self._gemm(inputs, kernel, bias, dims)
 
 
+def _reshaped(value: Any, shape: tuple[int, ...]) -> Any:
+    """``value`` reshaped to ``shape``, inside its box when an initializer wrapped with
+    ``nn.with_partitioning`` (or other axis metadata) returned one, as Flax's DenseGeneral does."""
+    if isinstance(value, meta.AxisMetadata):
+        return meta.replace_boxed(value, jnp.reshape(value.unbox(), shape))
+    return jnp.reshape(value, shape)
+
+
 def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
     return tuple(x) if isinstance(x, Sequence) else (x,)
 
@@ -225,11 +234,11 @@ class DenseGeneral(_Fp8Layer):
         def init_kernel(rng: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> Any:
             fan_in = int(np.prod(shape[:n_batch])) * int(np.prod(contracted))
             flat = self.kernel_init(rng, (fan_in, int(np.prod(features))), dtype)
-            return jnp.reshape(flat, shape)
+            return _reshaped(flat, shape)
 
         def init_bias(rng: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> Any:
             flat = self.bias_init(rng, (int(np.prod(shape)),), dtype)
-            return jnp.reshape(flat, shape)
+            return _reshaped(flat, shape)
 
         kernel = self.param(
             "kernel", init_kernel, batch_shape + contracted + features, self.param_dtype

@@ -85,6 +85,21 @@ def test_params_and_high_precision_path_match_flax() -> None:
         )
 
 
+def test_partitioned_initializers_box_like_flax() -> None:
+    """``nn.with_partitioning`` initializers, as sharded Flax models use them: the same boxed
+    values and partition specs as Flax's DenseGeneral (fp8kit's reshaped the box and raised)."""
+    key = jax.random.key(4)
+    x = jax.random.normal(key, (2, 3, 8))
+    kernel_init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model", None))
+    bias_init = nn.with_partitioning(nn.initializers.normal(), ("model", None))
+    kw = {"features": (2, 3), "kernel_init": kernel_init, "bias_init": bias_init}
+    with f8.autocast(recipe=f8.DelayedScaling(amax_history_len=2)):
+        ours = DenseGeneral(**kw).init(key, x)
+    theirs = nn.DenseGeneral(**kw).init(key, x)
+    assert nn.get_partition_spec(ours)["params"] == nn.get_partition_spec(theirs)["params"]
+    leaves_equal(nn.unbox(ours["params"]), nn.unbox(theirs["params"]))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
