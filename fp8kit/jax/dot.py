@@ -47,7 +47,14 @@ from jax.extend import core as jex_core
 
 from fp8kit.formats import FP8Format
 from fp8kit.jax.gemm import gemm_dtype, scaled_dot_general
-from fp8kit.jax.meta import BwdSlot, Fp8Meta, FwdSlot, ScalingState, bwd_slot, fwd_slot
+from fp8kit.jax.meta import (
+    BwdSlot,
+    Fp8Meta,
+    FwdSlot,
+    ScalingState,
+    bwd_slot,
+    fwd_slot,
+)
 from fp8kit.jax.quantization import (
     cast_to_fp8,
     check_high_precision,
@@ -503,20 +510,34 @@ def dot_general(
     Same arguments as :func:`dot_general_chained`; returns only the output. Every call with the
     same ``meta`` object inside one traced function joins one max-combining chain.
     """
-    trace = jex_core.get_opaque_trace_state(convention="fp8kit")
-    previous = _CHAINS.get(meta) if isinstance(meta, Fp8Meta) else None
-    head = previous[1] if previous is not None and previous[0] == trace else meta
-    out, meta_out = dot_general_chained(
+    return dot_general_joined(
         lhs,
         rhs,
         dimension_numbers,
-        head,
+        meta,
         bias=bias,
         gemm=gemm,
         fp8_output=fp8_output,
         fp8_grad=fp8_grad,
         preferred_element_type=preferred_element_type,
         precision=precision,
-    )
-    _CHAINS[meta] = (trace, meta_out)
-    return out
+    )[0]
+
+
+def dot_general_joined(
+    lhs: Any, rhs: Any, dimension_numbers: Any, meta: Fp8Meta, **kwargs: Any
+) -> tuple[jax.Array, Fp8Meta]:
+    """:func:`dot_general_chained` continuing the chain that ``meta`` started or passed
+    through earlier in this traced function (one max-combining chain per state, however the
+    calls reach it: the same object, or a meta returned by an earlier call of the chain, as a
+    mutable Linen collection hands it on within one ``apply`` but not to the next ``apply``)."""
+    trace = jex_core.get_opaque_trace_state(convention="fp8kit")
+    head = meta
+    seen = _CHAINS.get(head) if isinstance(head, Fp8Meta) else None
+    while seen is not None and seen[0] == trace:
+        head = seen[1]
+        seen = _CHAINS.get(head)
+    out, meta_out = dot_general_chained(lhs, rhs, dimension_numbers, head, **kwargs)
+    if isinstance(meta, Fp8Meta):
+        _CHAINS[meta] = _CHAINS[head] = (trace, meta_out)
+    return out, meta_out

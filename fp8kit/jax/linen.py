@@ -27,7 +27,7 @@ from flax.linen.dtypes import promote_dtype
 from jax import lax
 
 from fp8kit.jax.autocast import UNSET, resolve_defaults
-from fp8kit.jax.dot import dot_general, dot_general_chained
+from fp8kit.jax.dot import dot_general, dot_general_joined
 from fp8kit.jax.meta import Fp8Meta, init_meta
 
 __all__ = ["FP8_COLLECTION", "Dense", "DenseGeneral"]
@@ -113,8 +113,9 @@ class _Fp8Layer(nn.Module):
             "precision": precision,
         }
         if writable and not self.is_initializing():
-            # A mutable collection carries the chain itself (e.g. through an nn.scan carry).
-            y, meta_out = dot_general_chained(x, kernel, dims, meta, **kwargs)
+            # A mutable collection carries the chain itself (e.g. through an nn.scan carry);
+            # another apply on the same variables in this trace joins it too.
+            y, meta_out = dot_general_joined(x, kernel, dims, meta, **kwargs)
             self.put_variable(FP8_COLLECTION, _META_NAME, meta_out)
             return y
         return dot_general(x, kernel, dims, meta, **kwargs)

@@ -189,6 +189,21 @@ def test_a_layer_used_twice_records_the_max_not_the_sum() -> None:
     _, _, o = jax.jit(two_applies)(vd)
     assert float(o["fp8_meta"]["meta"].forward[0]) == amax(5 * x)
     assert float(o["fp8_meta"]["meta"].chains) == 1.0
+    # ... also with a mutable collection (docs/jax.md's nn.remat workaround), the shared Dense
+    # called twice in the first apply: the second apply joins the end of that chain (it started
+    # a second chain, which JAX summed and f8.update refused)
+    for mutable in (["fp8_meta"], True):
+
+        def loss(v, m=mutable):
+            return jnp.sum(model.apply(v, x, mutable=m)[0]) + jnp.sum(
+                model.apply(v, 5 * x, mutable=m)[0]
+            )
+
+        _, _, o = jax.jit(f8.value_and_grad(loss))(v)
+        shared = o["fp8_meta"]["shared"]["meta"]
+        assert float(shared.forward[0]) == amax(3 * (5 * x)), mutable
+        assert float(shared.chains) == 1.0, mutable
+        f8.update(v, o)  # no SummedObservationsError
 
 
 class _Layer(nn.Module):
