@@ -53,6 +53,7 @@ from fp8kit.jax.meta import (
     FwdSlot,
     ScalingState,
     bwd_slot,
+    check_meta_dtypes,
     fwd_slot,
 )
 from fp8kit.jax.quantization import (
@@ -241,6 +242,7 @@ def _psum_to(ct: jax.Array, primal_vma: frozenset[str]) -> jax.Array:
 def _check_meta(meta: Fp8Meta, gemm: int) -> None:
     if not isinstance(meta, Fp8Meta):
         raise TypeError(f"meta must be an fp8kit.jax.Fp8Meta, got {type(meta).__name__}")
+    check_meta_dtypes(meta)
     if meta.step.shape != ():
         raise ValueError(
             f"meta must be the state of one module (no leading axes), got step shape "

@@ -38,6 +38,7 @@ __all__ = [
     "Observations",
     "ScalingState",
     "bwd_slot",
+    "check_meta_dtypes",
     "check_recipe",
     "fwd_slot",
     "init_meta",
@@ -148,6 +149,28 @@ class Fp8Meta:
 
 def is_meta(x: Any) -> bool:
     return isinstance(x, Fp8Meta)
+
+
+def check_meta_dtypes(meta: Fp8Meta, where: str = "meta") -> None:
+    """Raise a TypeError unless every array of ``meta`` is float32.
+
+    A cast of the whole variable tree (``jax.tree.map(lambda a: a.astype(jnp.bfloat16), v)``)
+    would round scales and histories and stop ``step`` at 256 (bfloat16 counts no further)."""
+    for name, leaf in (
+        ("forward.amax_history", meta.forward.amax_history),
+        ("forward.scale", meta.forward.scale),
+        ("forward.update_count", meta.forward.update_count),
+        ("backward.amax_history", meta.backward.amax_history),
+        ("backward.scale", meta.backward.scale),
+        ("backward.update_count", meta.backward.update_count),
+        ("step", meta.step),
+    ):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype != jnp.float32:
+            raise TypeError(
+                f"{where}.{name} must be float32 (FP8 state keeps float32 whatever the model's "
+                f"dtype: cast only the params), got {dtype}"
+            )
 
 
 def init_meta(

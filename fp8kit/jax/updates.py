@@ -22,6 +22,7 @@ from fp8kit.jax.meta import (
     Fp8Meta,
     Observations,
     ScalingState,
+    check_meta_dtypes,
     is_meta,
     is_observation,
     observations_of,
@@ -54,6 +55,8 @@ def _match(meta_tree: Any, observations: Any) -> tuple[list[Any], Any, list[Obse
     """Flatten ``meta_tree`` down to its metas and pair each with its observation by path."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(meta_tree, is_leaf=is_meta)
     metas = [(p, x) for p, x in flat if isinstance(x, Fp8Meta)]
+    for path, meta in metas:
+        check_meta_dtypes(meta, f"meta{_path_str(path)}")
     obs_list: list[Observations | None] = []
     if observations is None:
         return flat, treedef, [None] * len(metas)
@@ -97,12 +100,15 @@ def _staged(state: ScalingState, amax: jax.Array | None) -> jax.Array:
     return jnp.concatenate([row0, hist[..., 1:, :]], axis=-2)
 
 
-def stage(meta_tree: Any, observations: Any) -> Any:
+def stage(meta_tree: Any, observations: Any, *, check_chains: bool = True) -> Any:
     """Fold observations into the staging rows (``H[0] = max(H[0], amax)``) without an event.
 
     Several stages followed by one :func:`update` leave the maximum (docs/semantics.md section 3).
+    ``check_chains`` refuses observations that JAX summed, as :func:`update` does.
     """
     flat, treedef, obs_list = _match(meta_tree, observations)
+    if check_chains:
+        _check_chains([_path_str(p) for p, x in flat if isinstance(x, Fp8Meta)], obs_list)
     it = iter(obs_list)
     out = []
     for _, x in flat:

@@ -249,6 +249,9 @@ def test_summed_observations_are_refused(operands) -> None:
         jax.errors.JaxRuntimeError, match=r"SummedObservationsError: .* summed by JAX over 2 "
     ):
         jax.block_until_ready(jax.jit(f8.update)(meta, summed))
+    # staging them first, then an update without observations, was a way around the check
+    with pytest.raises(f8.SummedObservationsError, match="summed by JAX over 2"):
+        f8.stage(meta, summed)
     good = f8.combine_observations(g1, g2)
     out = f8.update(meta, good)
     assert float(out.forward.amax_history[-1, 0]) == 2 * np.abs(x).max()

@@ -3,6 +3,7 @@ batched)."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -261,6 +262,20 @@ def test_stage_needs_observations() -> None:
     meta = f8.init_meta(1, f8.DelayedScaling(amax_history_len=2))
     with pytest.raises(ValueError, match="stage needs the observations of every Fp8Meta"):
         f8.stage(meta, None)
+
+
+def test_fp8_state_that_is_not_float32_is_refused() -> None:
+    """A whole-tree cast to bfloat16 (``jax.tree.map(lambda a: a.astype(bf16), variables)``)
+    rounded scales and stopped ``step`` at 256, so check_step later blamed dropped state."""
+    meta = f8.init_meta(1, f8.DelayedScaling(amax_history_len=2))
+    cast = jax.tree.map(lambda a: a.astype(jnp.bfloat16), {"layer": meta})
+    with pytest.raises(TypeError, match=r"meta\['layer'\]\.forward\.amax_history must be float32"):
+        f8.update(cast)
+    with pytest.raises(TypeError, match=r"meta\.forward\.amax_history must be float32 .* bfloat16"):
+        f8.dot_general(jnp.ones((2, 4)), jnp.ones((4, 4)), (((1,), (0,)), ((), ())), cast["layer"])
+    step_only = dataclasses.replace(meta, step=meta.step.astype(jnp.bfloat16))
+    with pytest.raises(TypeError, match=r"step must be float32"):
+        f8.update(step_only)
 
 
 def test_a_broadcast_amax_from_a_callable_is_divided_once() -> None:
