@@ -34,6 +34,7 @@ the meta stays replicated. Under ``jax.jit`` with sharded global arrays the amax
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, replace
 from functools import partial
@@ -60,6 +61,7 @@ from fp8kit.jax.quantization import (
     cast_to_fp8,
     check_high_precision,
     current_scale,
+    high_precision_dtype,
     nan_ignoring_amax,
 )
 from fp8kit.matmul_args import SECOND_DERIVATIVE_ERROR
@@ -178,6 +180,14 @@ def _reduce(amaxes: jax.Array, meta_ct: jax.Array, recipe: Recipe, axes: Any) ->
                 "amaxes differ; the replicated meta needs them reduced too"
             )
         names = tuple(axes)
+        try:
+            return lax.pmax(amaxes, names) if names else amaxes
+        except NameError as err:  # JAX's "unbound axis name"
+            raise ValueError(
+                f"amax_reduction_axes={axes} (the layer's field, fp8kit.jax.autocast or "
+                f"init_meta) names mesh axes that are not bound here: run under jax.shard_map "
+                f"(or pmap) over them, or leave amax_reduction_axes unset ({err})"
+            ) from None
     return lax.pmax(amaxes, names) if names else amaxes
 
 
@@ -419,6 +429,10 @@ def _config(
             f"rhs_batch)) as for jax.lax.dot_general, got {dimension_numbers!r}"
         ) from None
     out = jnp.result_type(lhs, rhs) if preferred_element_type is None else preferred_element_type
+    high_precision_dtype(out, "preferred_element_type")
+    if isinstance(precision, list):  # hashable: the config is a static jit argument
+        precision = tuple(precision)
+    _check_precision(precision)
     return _Config(
         dimension_numbers=dims,
         gemm=gemm,
@@ -436,6 +450,20 @@ def _config(
         rhs_vma=varying_axes(rhs),
         bias_vma=frozenset() if bias is None else varying_axes(bias),
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _check_precision(precision: Any) -> None:
+    """Raise what ``lax.dot_general`` raises for an invalid ``precision`` (None, a
+    ``lax.Precision`` or its name, a pair of them, or a dot algorithm): FP8 GEMMs never use it,
+    so it would otherwise be ignored. Checked once per value, by tracing one tiny dot."""
+    one = jax.ShapeDtypeStruct((1, 1), jnp.float32)
+    try:
+        jax.eval_shape(
+            lambda a: lax.dot_general(a, a, (((1,), (0,)), ((), ())), precision=precision), one
+        )
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"precision: {err}") from None
 
 
 def dot_general_chained(

@@ -77,6 +77,11 @@ class _Fp8Layer(nn.Module):
                 f"variables[{FP8_COLLECTION!r}] of {self._where()!r} must hold an "
                 f"fp8kit.jax.Fp8Meta under {_META_NAME!r}, got {type(meta).__name__}"
             )
+        if meta.num_gemms != 1:
+            raise ValueError(
+                f"variables[{FP8_COLLECTION!r}] of {self._where()!r} hold the state of a module "
+                f"with {meta.num_gemms} GEMMs; a {self.__class__.__name__} has one"
+            )
         if recipe is None:
             raise ValueError(
                 f"{self._where()!r} was constructed with FP8 disabled (recipe=None or "

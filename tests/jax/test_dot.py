@@ -385,6 +385,17 @@ def test_bad_arguments_are_reported(operands) -> None:
         f8.dot_general(x, w, DIMS, meta, fp8_output=1)
     with pytest.raises(TypeError, match="lhs must have"):
         f8.dot_general(x.astype(np.int32), w, DIMS, meta)
+    # Accepted before: an int32 result of the FP8 GEMM, and a precision nothing looked at.
+    for dtype in (jnp.int32, jnp.float8_e4m3fn, "rows"):
+        with pytest.raises(TypeError, match="preferred_element_type must be float32, bfloat16"):
+            f8.dot_general(x, w, DIMS, meta, preferred_element_type=dtype)
+    with pytest.raises(ValueError, match="precision: Precision argument must be one of"):
+        f8.dot_general(x, w, DIMS, meta, precision="bogus")
+    f8.dot_general(x, w, DIMS, meta, precision=["highest", "default"])  # as lax.dot_general
+    # Reduction axes outside shard_map: JAX's "unbound axis name" did not name the setting.
+    sharded = f8.init_meta(1, amax_reduction_axes=("data",))
+    with pytest.raises(ValueError, match=r"amax_reduction_axes=\('data',\) .* not bound here"):
+        jax.grad(lambda x: jnp.sum(f8.dot_general(x, w, DIMS, sharded)))(x)
     with pytest.raises(ValueError, match="num_gemms"):
         f8.init_meta(0)
     with pytest.raises(TypeError, match="recipe must be"):

@@ -114,6 +114,16 @@ def test_dense_general_refuses_bad_axes(kwargs, match) -> None:
         DenseGeneral(features=4, **kwargs).init(jax.random.key(0), x)
 
 
+def test_dense_refuses_the_state_of_another_module() -> None:
+    """A 2-GEMM meta (an MLP's) under a Dense ran, and f8.update rolled its whole history."""
+    x = jnp.ones((4, 16))
+    layer = Dense(4, recipe=RECIPE)
+    v = jax.jit(layer.init)(jax.random.key(0), x)
+    wrong = {**v, "fp8_meta": {"meta": f8.init_meta(2, RECIPE)}}
+    with pytest.raises(ValueError, match="hold the state of a module with 2 GEMMs; a Dense has"):
+        layer.apply(wrong, x)
+
+
 def test_dense_on_one_unbatched_example_trains() -> None:
     """A 1-D input (as flax.linen.Dense takes): wgrad contracts nothing, an outer product.
     Its gradients equal those of the same example as a batch of one."""
