@@ -79,6 +79,7 @@ from benchmarks.gpu_measure import (
     wall_us,
 )
 from fp8kit.demo.model import GPT, GPTConfig
+from fp8kit.torch import kernels
 
 NO_CUDA = "no CUDA device: bench-gpu measures GPU figures only (see docs/benchmarks.md)"
 SHAPES = (
@@ -549,6 +550,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print_section(name, results[name])
         results["seconds"][name] = round(time.perf_counter() - start, 1)
         print(f"({name}: {results['seconds'][name]} s)", flush=True)
+        # A Triton failure switches fp8kit's CUDA casts to torch for the rest of the process:
+        # say so next to the figures it affects.
+        results.setdefault("triton off after", {})[name] = kernels.triton_error()
+        if kernels.triton_error() is not None:
+            print(
+                f"WARNING: fp8kit's Triton kernels are off ({kernels.triton_error()}); "
+                "fp8kit figures from here on time its torch kernels",
+                flush=True,
+            )
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:  # saved after every section: a timeout keeps the rest
             json.dump(results, f, indent=2, default=str)

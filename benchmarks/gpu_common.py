@@ -157,6 +157,20 @@ def transpose(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]
 _COPY_ACTIVITIES = ("gpu_memcpy", "gpu_memset")
 
 
+def device_event_kind(event: Any) -> str | None:
+    """``"kernel"``, ``"copy"`` (memcpy / memset) or ``"annotation"`` for a profiler event on the
+    CUDA timeline, None for a host event. An annotation is a ``record_function`` range that the
+    profiler also draws on the device timeline (compiled regions carry them): not a kernel."""
+    if event.device_type != torch.autograd.DeviceType.CUDA:
+        return None
+    activity = getattr(event, "activity_type", None)
+    if getattr(event, "is_user_annotation", False) or activity == "gpu_user_annotation":
+        return "annotation"
+    if activity in _COPY_ACTIVITIES or event.name.startswith(("Memcpy", "Memset")):
+        return "copy"
+    return "kernel"
+
+
 def count_profile_events(events: Iterable[Any]) -> dict[str, int]:
     """Counts over ``torch.profiler`` function events of one step.
 
@@ -167,11 +181,12 @@ def count_profile_events(events: Iterable[Any]) -> dict[str, int]:
     """
     counts = {"kernels": 0, "copies": 0, "aten": 0, "aten top-level": 0}
     for event in events:
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            activity = getattr(event, "activity_type", None)
-            is_copy = activity in _COPY_ACTIVITIES or event.name.startswith(("Memcpy", "Memset"))
-            counts["copies" if is_copy else "kernels"] += 1
-        elif event.name.startswith("aten::"):
+        kind = device_event_kind(event)
+        if kind == "kernel":
+            counts["kernels"] += 1
+        elif kind == "copy":
+            counts["copies"] += 1
+        elif kind is None and event.name.startswith("aten::"):
             counts["aten"] += 1
             parent = event.cpu_parent
             while parent is not None and not parent.name.startswith("aten::"):

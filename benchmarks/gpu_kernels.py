@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.gpu_common import device_event_kind
 from fp8kit.torch import kernels
 
 _E4M3 = torch.float8_e4m3fn
@@ -73,7 +74,8 @@ def _kernels_per_call(fn: Callable[[], object]) -> int:
     return sum(
         1
         for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and "Memcpy" not in e.name
+        if device_event_kind(e) == "kernel"
+        or (device_event_kind(e) == "copy" and not e.name.startswith("Memcpy"))
     )
 
 
@@ -87,18 +89,26 @@ def _bandwidth(dtype: torch.dtype, repeats: int) -> dict[str, Any]:
     slot = staging[0, 0]
     copy_ms = _median_ms(lambda: dst.copy_(x), repeats)
     copy_rate = 2 * n * item / copy_ms / 1e6  # GB/s, bytes read + written
+    triton = "triton"  # named: a failing kernel raises instead of timing the torch fallback
     variants: dict[str, tuple[Callable[[], object], int]] = {
-        "cast+amax": (lambda: kernels.cast_fp8(x, scale, _E4M3, amax_out=slot), n * (item + 1)),
+        "cast+amax": (
+            lambda: kernels.cast_fp8(x, scale, _E4M3, amax_out=slot, backend=triton),
+            n * (item + 1),
+        ),
         "cast+transpose+amax": (
-            lambda: kernels.cast_fp8(x, scale, _E4M3, transpose=True, amax_out=slot),
+            lambda: kernels.cast_fp8(
+                x, scale, _E4M3, transpose=True, amax_out=slot, backend=triton
+            ),
             n * (item + 2),
         ),
         "cast+transpose+dbias+amax": (
-            lambda: kernels.cast_fp8(x, scale, _E4M3, transpose=True, dbias=True, amax_out=slot),
+            lambda: kernels.cast_fp8(
+                x, scale, _E4M3, transpose=True, dbias=True, amax_out=slot, backend=triton
+            ),
             n * (item + 2),
         ),
         "current scaling cast+transpose (2 reads)": (
-            lambda: kernels.cast_fp8_current(x, _E4M3, transpose=True),
+            lambda: kernels.cast_fp8_current(x, _E4M3, transpose=True, backend=triton),
             n * (item + 2),
         ),
         "reference cast+transpose+dbias (torch)": (

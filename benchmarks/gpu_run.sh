@@ -2,7 +2,9 @@
 # bench-gpu on a lent GPU machine (no venv, nothing installable there; docs/benchmarks.md):
 #   bash benchmarks/gpu_run.sh [all|tests|bench|bench-sub] [benchmarks.gpu options, e.g. --quick]
 # 1. installs the wheels carried in the ignored .whl/ folder (torchao) into /tmp/site;
-# 2. tests: python3 -m pytest -q tests/torch (at most $TEST_TIMEOUT s, default 240), without the
+# 2. tests: first the CUDA-only tests (compiled Triton kernels bit for bit against the model,
+#    CUDA graphs, compiled modes; -v, so each result is in tests.log as it happens), then
+#    python3 -m pytest -v tests/torch (at most $TEST_TIMEOUT s, default 420), without the
 #    Triton-interpreter tests: the GPU runs the compiled kernels, and Triton 3.6's interpreter
 #    fails under numpy >= 2.4 (int() of a 1-element array);
 # 3. bench: python3 -m benchmarks.gpu --only linear,tiny,syncs,cast,gpt --out $OUT/gpu.json;
@@ -28,8 +30,12 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 status=0
 if [ "$mode" = all ] || [ "$mode" = tests ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -ra tests/torch -k "not under_interpreter" \
-    -p no:cacheprovider 2>&1 | tee "$out/tests.log" | tail -30 || status=$?
+  gpu_only="test_triton_on_the_gpu or test_real_cuda_graphs or test_cuda_compiled_modes"
+  timeout 150 python3 -m pytest -v -ra tests/torch -k "$gpu_only" -p no:cacheprovider 2>&1 \
+    | tee "$out/tests.log" | tail -30 || status=$?
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -ra tests/torch \
+    -k "not under_interpreter and not ($gpu_only)" -p no:cacheprovider 2>&1 \
+    | tee -a "$out/tests.log" | tail -30 || status=$?
 fi
 if [ "$mode" = all ] || [ "$mode" = bench ]; then
   python3 -m benchmarks.gpu --only linear,tiny,syncs,cast,gpt --out "$out/gpu.json" "$@" 2>&1 \

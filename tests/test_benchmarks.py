@@ -196,6 +196,8 @@ def test_profile_counts_separate_kernels_copies_and_aten_levels() -> None:
         _Event("triton_cast", "cuda"),  # no activity field (older torch): by name
         _Event("Memcpy HtoD (Pageable -> Device)", "cuda", activity="gpu_memcpy"),
         _Event("Memset (Device)", "cuda"),
+        # a record_function range drawn on the device timeline (compiled regions): no kernel
+        _Event("CompiledFunction", "cuda", activity="gpu_user_annotation"),
     ]
     assert count_profile_events(events) == {
         "kernels": 2,

@@ -1141,9 +1141,11 @@ def api_cases() -> tuple[CastCase, ...]:
     return tuple(cases)
 
 
-def run_case(case: CastCase, backend: str) -> dict[str, torch.Tensor | None]:
-    """One API call on ``backend``; everything it returned, and the staging buffer after."""
-    staging = torch.zeros(6, 4)
+def run_case(case: CastCase, backend: str, device: str = "cpu") -> dict[str, torch.Tensor | None]:
+    """One API call on ``backend`` with its tensors on ``device``; everything it returned, and
+    the staging buffer after, on the CPU."""
+    x = case.x if device == "cpu" else case.x.to(device)
+    staging = torch.zeros(6, 4, device=device)
     staging[3, 1] = case.fold_init
     amax_out = None
     if case.fold == "element":
@@ -1151,22 +1153,23 @@ def run_case(case: CastCase, backend: str) -> dict[str, torch.Tensor | None]:
     elif case.fold == "slice":
         amax_out = staging[3:4, 1]
     if case.kind == "amax":
-        a = kernels.compute_amax(case.x, amax_out=amax_out, backend=backend)
-        return {"amax": a, "staging": staging}
-    if case.kind == "current":
+        a = kernels.compute_amax(x, amax_out=amax_out, backend=backend)
+        got = {"amax": a, "staging": staging}
+    elif case.kind == "current":
         r = kernels.cast_fp8_current(
-            case.x,
+            x,
             case.fmt,
             power_2_scale=case.power_2,
             transpose=case.transpose,
             dbias=case.dbias,
             backend=backend,
         )
+        got = {**r._asdict(), "staging": staging}
     else:
-        count = None if case.count is None else torch.tensor([case.count])
+        count = None if case.count is None else torch.tensor([case.count], device=device)
         r = kernels.cast_fp8(
-            case.x,
-            torch.tensor(case.scale),
+            x,
+            torch.tensor(case.scale, device=device),
             case.fmt,
             transpose=case.transpose,
             amax_out=amax_out,
@@ -1174,11 +1177,14 @@ def run_case(case: CastCase, backend: str) -> dict[str, torch.Tensor | None]:
             first_step_current=count,
             backend=backend,
         )
-    return {**r._asdict(), "staging": staging}
+        got = {**r._asdict(), "staging": staging}
+    return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in got.items()}
 
 
-def run_all_cases(backend: str, path: str | None = None) -> list[dict[str, torch.Tensor | None]]:
-    results = [run_case(case, backend) for case in api_cases()]
+def run_all_cases(
+    backend: str, path: str | None = None, device: str = "cpu"
+) -> list[dict[str, torch.Tensor | None]]:
+    results = [run_case(case, backend, device) for case in api_cases()]
     if path is not None:
         torch.save(results, path)
     return results
@@ -1611,6 +1617,7 @@ def test_triton_failure_warns_once_then_runs_the_reference(monkeypatch: pytest.M
 
     monkeypatch.setattr(dispatch, "_triton_state", {"backend": BrokenTriton(), "error": None})
     monkeypatch.setattr(dispatch, "_auto", cuda_rule)
+    assert kernels.triton_error() is None
     x = _matrix(33, 65, torch.bfloat16, seed=1)
     s = torch.tensor(2.0)
     want = reference.cast(x, s, _spec(E4M3, x), True, None, True, None)
@@ -1624,6 +1631,7 @@ def test_triton_failure_warns_once_then_runs_the_reference(monkeypatch: pytest.M
     assert len(ours) == 1 and "ptxas not found" in str(ours[0].message)
     assert attempts == ["cast"]
     assert not kernels.triton_available()
+    assert kernels.triton_error() == "RuntimeError: ptxas not found"  # what benchmarks report
 
 
 @pytest.mark.parametrize("backend", ["native", "reference"])

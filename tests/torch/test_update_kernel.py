@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +25,7 @@ from fp8kit.formats import E4M3, E5M2
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch import kernels
 from tests.reference import update_reference
+from tests.torch import test_kernels
 from tests.torch.test_kernels import triton_results
 
 STATE = ("history", "scale", "scale_inv", "count", "nonfinite")
@@ -148,12 +150,15 @@ def initial_state(case: UpdateCase) -> dict[str, torch.Tensor | None]:
     }
 
 
-def run_case(case: UpdateCase, backend: str) -> list[dict[str, torch.Tensor | None]]:
-    """Every event of ``case`` through ``delayed_update_``; the state after each one."""
-    state = initial_state(case)
+def run_case(
+    case: UpdateCase, backend: str, device: str = "cpu"
+) -> list[dict[str, torch.Tensor | None]]:
+    """Every event of ``case`` through ``delayed_update_`` with the state on ``device``; the
+    state after each one, on the CPU."""
+    state = {k: (None if t is None else t.to(device)) for k, t in initial_state(case).items()}
     out = []
     for values, ran, staging in case.events:
-        v = torch.tensor(values, dtype=torch.float32)
+        v = torch.tensor(values, dtype=torch.float32, device=device)
         if not staging:
             state["history"][0] = torch.maximum(state["history"][0], v)
         kernels.delayed_update_(
@@ -166,12 +171,12 @@ def run_case(case: UpdateCase, backend: str) -> list[dict[str, torch.Tensor | No
             interval=case.interval,
             algo=case.algo,
             power_2_scale=case.power_2,
-            ran=None if ran is None else torch.tensor(ran),
+            ran=None if ran is None else torch.tensor(ran, device=device),
             staging=v if staging else None,
             nonfinite_count=state["nonfinite"],
             backend=backend,
         )
-        out.append({k: (None if t is None else t.clone()) for k, t in state.items()})
+        out.append({k: (None if t is None else t.cpu().clone()) for k, t in state.items()})
     return out
 
 
@@ -202,8 +207,8 @@ def run_case_prepared(case: UpdateCase, backend: str) -> list[dict[str, torch.Te
     return out
 
 
-def run_all_cases(backend: str, path: str | None = None) -> list[list[dict]]:
-    results = [run_case(case, backend) for case in update_cases()]
+def run_all_cases(backend: str, path: str | None = None, device: str = "cpu") -> list[list[dict]]:
+    results = [run_case(case, backend, device) for case in update_cases()]
     if path is not None:
         torch.save(results, path)
     return results
@@ -312,6 +317,19 @@ def test_update_triton_under_interpreter() -> None:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (optional: pip install -c constraints.txt triton)")
     check_results(triton_results()[1], "triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_on_the_gpu_matches_the_model() -> None:
+    """Every cast, amax (test_kernels.py) and update case through the compiled Triton kernels on
+    CUDA tensors, bit for bit against the numpy model. The interpreter tests check the kernels'
+    logic; this checks the GPU build: a failed compile or launch would fall back to the torch
+    path with one warning, and the benchmarks would time that."""
+    assert kernels.backend_for(torch.empty(1, device="cuda")) == "triton"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback warning fails the test
+        test_kernels._check_all(test_kernels.run_all_cases("triton", device="cuda"), "triton GPU")
+        check_results(run_all_cases("triton", device="cuda"), "triton GPU")
 
 
 @pytest.mark.parametrize("backend", [None, "reference"])

@@ -53,6 +53,7 @@ from fp8kit.torch.kernels.dispatch import (
     small_fp8_gemm,
     small_fp8_gemm_unchecked,
     triton_available,
+    triton_error,
     try_triton_cast,
 )
 
@@ -87,5 +88,6 @@ __all__ = [
     "small_fp8_gemm",
     "small_fp8_gemm_unchecked",
     "triton_available",
+    "triton_error",
     "try_triton_cast",
 ]

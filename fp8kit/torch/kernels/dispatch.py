@@ -58,6 +58,7 @@ __all__ = [
     "small_fp8_gemm",
     "small_fp8_gemm_unchecked",
     "triton_available",
+    "triton_error",
     "try_triton_cast",
 ]
 
@@ -102,6 +103,12 @@ def _load_triton() -> _TritonBackend | None:
 def triton_available() -> bool:
     """True when the Triton backend can run: ``triton`` imports and no kernel has failed."""
     return _load_triton() is not None
+
+
+def triton_error() -> str | None:
+    """Why the Triton backend is off: not installed, or the first kernel failure that switched
+    CUDA tensors to the torch kernels for this process (None while it is on or never tried)."""
+    return None if _triton_state["backend"] else _triton_state["error"]  # type: ignore[return-value]
 
 
 def _triton_failed(exc: Exception) -> None:
