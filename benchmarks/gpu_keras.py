@@ -30,9 +30,10 @@ _PROBE = {
 }
 
 
-def gpu_backends() -> list[str]:
-    """The Keras backends whose framework sees at least one CUDA GPU in this environment."""
-    found = []
+def gpu_backends() -> tuple[list[str], dict[str, str]]:
+    """The Keras backends whose framework sees at least one CUDA GPU in this environment, and
+    for each other backend why not (its probe's last error line, or no GPU seen)."""
+    found, why_not = [], {}
     for backend in BACKENDS:
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
         done = subprocess.run(
@@ -42,14 +43,19 @@ def gpu_backends() -> list[str]:
         lines = done.stdout.strip().splitlines()
         if done.returncode == 0 and lines and lines[-1].isdigit() and int(lines[-1]) > 0:
             found.append(backend)
-    return found
+        elif done.returncode != 0:
+            errors = done.stderr.strip().splitlines()
+            why_not[backend] = errors[-1] if errors else f"exit status {done.returncode}"
+        else:
+            why_not[backend] = "no CUDA GPU visible (a CPU build?)"
+    return found, why_not
 
 
 def main(out_json_path: str) -> dict[str, Any]:
     """Benchmark on every backend with a GPU; write and return the results."""
-    backends = gpu_backends()
+    backends, why_not = gpu_backends()
     if not backends:
-        reason = "no CUDA GPU visible to TensorFlow or JAX (CPU builds installed?)"
+        reason = "; ".join(f"{b}: {why}" for b, why in why_not.items())
         print(f"gpu_keras: skipped: {reason}")
         return {"skipped": reason}
     results = []

@@ -16,7 +16,13 @@ def test_bench_keras_quick_smoke() -> None:
 
 
 def test_gpu_keras_without_a_gpu_skips_cleanly(monkeypatch, tmp_path, capsys) -> None:
-    monkeypatch.setattr(gpu_keras, "gpu_backends", lambda: [])
+    """No backend sees a GPU: skipped, saying why per backend (a probe that failed to import
+    keras reports that, not a missing GPU)."""
+    why = {"tensorflow": "ModuleNotFoundError: No module named 'keras'", "jax": "no CUDA GPU"}
+    monkeypatch.setattr(gpu_keras, "gpu_backends", lambda: ([], why))
     result = gpu_keras.main(str(tmp_path / "out.json"))
-    assert "skipped" in result and "skipped" in capsys.readouterr().out
+    assert result["skipped"] == (
+        "tensorflow: ModuleNotFoundError: No module named 'keras'; jax: no CUDA GPU"
+    )
+    assert "No module named 'keras'" in capsys.readouterr().out
     assert not (tmp_path / "out.json").exists()
