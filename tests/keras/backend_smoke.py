@@ -157,6 +157,18 @@ def jax_backend() -> None:
     np.testing.assert_allclose(np.asarray(dx), gq @ wq.T, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(np.asarray(db), g.sum(0), rtol=1e-6)
     assert dk.shape == (16, 8)
+
+    # a gradient penalty (grad of a function of grad) raises instead of differentiating the
+    # FP8 backward rule
+    def penalty(tv):
+        return jnp.sum(jax.grad(loss, argnums=1)(tv, jnp.asarray(x)) ** 2)
+
+    try:
+        jax.grad(penalty)(trainable)
+    except TypeError as err:
+        assert "differentiate twice through an FP8 GEMM" in str(err), err
+    else:
+        raise AssertionError("a second derivative through an FP8 GEMM must raise")
     try:
         layer(jnp.asarray(x), training=True)
     except NotImplementedError as err:

@@ -297,3 +297,34 @@ def test_a_training_call_outside_any_tape_neither_observes_nor_blocks_the_step(r
     hist_f, _, count_f, _, _, _, _ = state_arrays(layer)
     np.testing.assert_array_equal(count_f, [1, 1, 0])
     assert hist_f[-1, 0] == np.abs(x).max()  # the teacher's larger input was not observed
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_a_second_derivative_raises(rng, mode: str) -> None:
+    """A gradient penalty through an FP8 Dense with nested tapes: the first derivatives equal a
+    plain tape's; differentiating them raises, where the outer tape silently dropped the kernel
+    term (the FP8 copies the backward uses are made where no tape records them)."""
+    w = random_fp8_friendly(rng, (3, 2))
+    layer = dense(2, w, np.zeros(2, np.float32), f8.DelayedScaling())
+    x = tf.constant(random_fp8_friendly(rng, (2, 3)))
+
+    def first(x: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(layer(x, training=False))
+        return tape.gradient(loss, x)
+
+    def penalty(x: tf.Tensor) -> tf.Tensor:
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                loss = tf.reduce_sum(layer(x, training=True))
+            dx = inner.gradient(loss, x)
+            total = loss + tf.reduce_sum(dx**2)
+        return outer.gradient(total, layer.kernel)
+
+    run = tf.function(penalty) if mode == "function" else penalty
+    w_fp8 = quantize_reference(w, 1.0, E4M3)[0]  # scale 1: dY = 1 is exact in E5M2
+    np.testing.assert_allclose(first(x).numpy(), np.ones((2, 2)) @ w_fp8.T, rtol=1e-6)
+    with pytest.raises(TypeError, match="differentiate twice through an FP8 GEMM"):
+        run(x)

@@ -17,6 +17,7 @@ import jax
 
 from fp8kit.keras import gemm
 from fp8kit.keras.state import Fp8State
+from fp8kit.matmul_args import SECOND_DERIVATIVE_ERROR
 
 __all__ = ["TRAINING_ERROR", "fp8_einsum"]
 
@@ -50,10 +51,25 @@ def _frozen_bwd(
     saved, scales = res
     _, _, bwd_scale, bwd_count = scales
     dx, dw, _ = gemm.backward(plan, dy, saved, bwd_scale, bwd_count, x_dtype, w_dtype)
+    dx, dw = _first_derivatives_only(dx, dw, (dy, saved))
     return dx, dw, jax.tree_util.tree_map(jax.numpy.zeros_like, scales)
 
 
 _frozen.defvjp(_frozen_fwd, _frozen_bwd)
+
+
+@jax.custom_jvp
+def _first_derivatives_only(dx: Any, dw: Any, inputs: Any) -> tuple[Any, Any]:
+    """``dx`` and ``dw`` unchanged; differentiating them (``jax.grad`` of a gradient penalty)
+    raises at trace time instead of differentiating the FP8 backward rule. ``inputs`` (``dy``
+    and the saved FP8 operands) join so a tangent reaching the rule through any of them raises
+    (docs/semantics.md section 4)."""
+    return dx, dw
+
+
+@_first_derivatives_only.defjvp
+def _differentiating_again_raises(primals: Any, tangents: Any) -> Any:
+    raise TypeError(SECOND_DERIVATIVE_ERROR)
 
 
 def fp8_einsum(

@@ -28,6 +28,7 @@ from tensorflow.python.eager import record  # no public "is a GradientTape recor
 
 from fp8kit.keras import gemm
 from fp8kit.keras.state import Fp8State
+from fp8kit.matmul_args import SECOND_DERIVATIVE_ERROR
 from fp8kit.recipe import DelayedScaling
 
 __all__ = ["fp8_einsum", "replica_max"]
@@ -92,7 +93,7 @@ def fp8_einsum(
 
             def grad(dy: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
                 dx, dw, _ = gemm.backward(plan, dy, saved, bwd_scale, bwd_count, x_dtype, w_dtype)
-                return dx, dw
+                return _first_derivatives_only(dx, dw, x, w, dy)
 
             return y, grad
 
@@ -109,6 +110,7 @@ def fp8_einsum(
 
         def grad(dy: tf.Tensor, dtoken: tf.Tensor | None) -> tuple[Any, ...]:
             dx, dw, bwd_obs = gemm.backward(plan, dy, saved, bwd_scale, bwd_count, x_dtype, w_dtype)
+            dx, dw = _first_derivatives_only(dx, dw, x, w, dy)
             amaxes = tf.concat([fwd_obs, bwd_obs], axis=0)
             if dtoken is not None:  # the max over the calls chained after this one
                 amaxes = tf.maximum(amaxes, tf.cast(dtoken, tf.float32))
@@ -125,3 +127,22 @@ def fp8_einsum(
     if slot is not None:
         slot[0][slot[1]] = token_out
     return y
+
+
+def _first_derivatives_only(
+    dx: tf.Tensor, dw: tf.Tensor, *inputs: tf.Tensor
+) -> tuple[tf.Tensor, tf.Tensor]:
+    """``dx`` and ``dw`` unchanged; an outer tape that differentiates them (a gradient penalty)
+    raises. The gradients come from FP8 copies made in the forward, which no tape records, so
+    an outer tape would otherwise see ``dx`` independent of the kernel and silently drop that
+    term. ``inputs`` (``x``, ``w``, ``dy``) make every outer tape that watches them record this
+    op (docs/semantics.md section 4)."""
+
+    @tf.custom_gradient
+    def guard(dx: tf.Tensor, dw: tf.Tensor, *inputs: tf.Tensor) -> Any:
+        def grad(*_: Any) -> Any:
+            raise TypeError(SECOND_DERIVATIVE_ERROR)
+
+        return (tf.identity(dx), tf.identity(dw)), grad
+
+    return guard(dx, dw, *inputs)
