@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from jax.extend import core as jex_core
 
 from fp8kit.formats import FP8Format
@@ -319,10 +320,13 @@ def _fp8_dot_bwd(
     _, dgrad_fp8, wgrad_fp8 = _flags(recipe)
     g = cfg.gemm
     obs_bwd = jnp.zeros(bwd_state.scale.shape, jnp.float32)
-    dy32 = dy.astype(jnp.float32)
+    dy32 = None if dy is None else dy.astype(jnp.float32)  # None: the output was not used
 
+    # A residual is None where nobody differentiates that operand (the fwd rule drops it): that
+    # GEMM, and dY's cast when no FP8 GEMM needs it, do not run (as in fp8kit.torch).
+    need_dx, need_dw = w_saved is not None, x_saved is not None
     dy_op: Operand = dy32
-    if dgrad_fp8 or wgrad_fp8:
+    if (dgrad_fp8 and need_dx) or (wgrad_fp8 and need_dw):
         slot = bwd_slot(g, BwdSlot.GRAD_OUTPUT)
         dy_data, dy_inv, dy_amax = _quantize_slot(dy, bwd_state, slot, fmt, recipe)
         dy_op = (dy_data, dy_inv)
@@ -331,18 +335,21 @@ def _fp8_dot_bwd(
 
     # dgrad and wgrad: the transposes of the forward dot, each an FP8 GEMM where the recipe says
     # so (the saved operand is then the FP8 copy) and a float32 GEMM otherwise.
-    w_op = w_saved if isinstance(w_saved, tuple) else w_saved.astype(jnp.float32)
-    x_op = x_saved if isinstance(x_saved, tuple) else x_saved.astype(jnp.float32)
-    dx = _dgrad(dy_op if dgrad_fp8 else dy32, w_op, cfg).astype(cfg.lhs_dtype)
-    dw = _wgrad(x_op, dy_op if wgrad_fp8 else dy32, cfg).astype(cfg.rhs_dtype)
-    if cfg.fp8_grad:
+    dx = dw = None
+    if need_dx:
+        w_op = w_saved if isinstance(w_saved, tuple) else w_saved.astype(jnp.float32)
+        dx = _dgrad(dy_op if dgrad_fp8 else dy32, w_op, cfg).astype(cfg.lhs_dtype)
+    if need_dw:
+        x_op = x_saved if isinstance(x_saved, tuple) else x_saved.astype(jnp.float32)
+        dw = _wgrad(x_op, dy_op if wgrad_fp8 else dy32, cfg).astype(cfg.rhs_dtype)
+    if cfg.fp8_grad and dx is not None:
         slot = bwd_slot(g, BwdSlot.GRAD_INPUT)
         dx_data, dx_inv, dx_amax = _quantize_slot(dx, bwd_state, slot, fmt, recipe)
         dx = _dequant(dx_data, dx_inv).astype(cfg.lhs_dtype)
         if dx_amax is not None:
             obs_bwd = obs_bwd.at[slot].set(dx_amax)
     db = None
-    if cfg.bias_shape is not None:
+    if cfg.bias_shape is not None and dy32 is not None:
         lead = dy32.ndim - len(cfg.bias_shape)
         summed = tuple(range(lead)) + tuple(
             lead + i for i, n in enumerate(cfg.bias_shape) if n == 1 and dy32.shape[lead + i] != 1
@@ -350,8 +357,10 @@ def _fp8_dot_bwd(
         db = jnp.sum(dy32, axis=summed).reshape(cfg.bias_shape).astype(cfg.bias_dtype)
     # Under shard_map a replicated operand's gradient is the sum over the devices it was
     # replicated on (what JAX's own transpose of the implicit pvary does).
-    dx = _psum_to(dx, cfg.lhs_vma)
-    dw = _psum_to(dw, cfg.rhs_vma)
+    if dx is not None:
+        dx = _psum_to(dx, cfg.lhs_vma)
+    if dw is not None:
+        dw = _psum_to(dw, cfg.rhs_vma)
     if db is not None:
         db = _psum_to(db, cfg.bias_vma)
 
@@ -371,17 +380,19 @@ def _fp8_dot_bwd(
         # too, and f8.update refuses the sum (docs/jax.md, "Reuse, scan, remat, microbatches").
         step=jnp.maximum(meta_ct.step, jnp.where(both[0] >= 0, 1.0, 1.0)),
     )
-    dx, dw, db = _first_derivatives_only(dx, dw, db)
+    dx, dw, db = _first_derivatives_only(dx, dw, db, (dy, x_saved, w_saved))
     return dx, dw, db, meta_in_ct
 
 
 @jax.custom_jvp
 def _first_derivatives_only(
-    dx: jax.Array, dw: jax.Array, db: jax.Array | None
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    dx: jax.Array | None, dw: jax.Array | None, db: jax.Array | None, inputs: Any
+) -> tuple[jax.Array | None, jax.Array | None, jax.Array | None]:
     """The gradients unchanged; differentiating them (``jax.grad`` of a gradient penalty) raises
     at trace time: JAX would otherwise differentiate the FP8 backward rule itself, a silently
-    wrong second derivative (docs/semantics.md section 4)."""
+    wrong second derivative (docs/semantics.md section 4). ``inputs`` (the backward rule's
+    ``dy`` and residuals) join so that a tangent reaching the rule through any of them raises,
+    also where the FP8 casts would have zeroed it."""
     return dx, dw, db
 
 
@@ -397,7 +408,47 @@ def _fp8_dot(
     return _fp8_dot_fwd(cfg, lhs, rhs, bias, meta)[0]
 
 
-_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+def _fp8_dot_fwd_rule(
+    cfg: _Config, lhs: Any, rhs: Any, bias: Any, meta: Any
+) -> tuple[tuple[jax.Array, Fp8Meta], tuple[Any, ...]]:
+    """The fwd rule with symbolic zeros: the primals come wrapped with whether they are
+    differentiated; the residual of an operand nobody differentiates is dropped (None)."""
+    meta_value = _values(meta)
+    out, (x_saved, w_saved, obs, bwd_state) = _fp8_dot_fwd(
+        cfg, lhs.value, rhs.value, _values(bias), meta_value
+    )
+    saved = (
+        x_saved if rhs.perturbed else None,  # wgrad's operand
+        w_saved if lhs.perturbed else None,  # dgrad's operand
+        obs,
+        bwd_state,
+    )
+    return out, (saved, meta_value)
+
+
+def _fp8_dot_bwd_rule(cfg: _Config, res: tuple[Any, ...], cts: tuple[Any, Any]) -> tuple[Any, ...]:
+    """The bwd rule with symbolic zeros. An unused output (zero ``dy``) needs no gradient GEMM
+    or cast; an unused meta output gets zeros like the meta itself (which keep its
+    ``shard_map`` variance, what ``_reduce`` compares the amaxes with)."""
+    saved, meta_value = res
+    dy, meta_ct = cts
+    meta_ct = jax.tree.map(
+        lambda c, p: jnp.zeros_like(p) if isinstance(c, SymbolicZero) else c,
+        meta_ct,
+        meta_value,
+        is_leaf=lambda c: isinstance(c, SymbolicZero),
+    )
+    if isinstance(dy, SymbolicZero):
+        dy = None
+        saved = (None, None, *saved[2:])  # nothing flows back: no dX, no dW
+    return _fp8_dot_bwd(cfg, saved, (dy, meta_ct))
+
+
+def _values(tree: Any) -> Any:
+    return jax.tree.map(lambda p: p.value, tree, is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd_rule, _fp8_dot_bwd_rule, symbolic_zeros=True)
 
 
 # --- public entry points -----------------------------------------------------------------------

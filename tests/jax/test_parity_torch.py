@@ -89,14 +89,15 @@ def test_update_rule_is_bit_identical(rng, recipe, direction) -> None:
         np.testing.assert_array_equal(np.asarray(cj), ct.numpy().astype(np.float32))
 
 
-def _torch_steps(recipe, w, b, xs, gs, fp8_output, fp8_grad):
+def _torch_steps(recipe, w, b, xs, gs, fp8_output, fp8_grad, x_grad=True, w_grad=True):
     lin = f8t.Linear(w.shape[1], w.shape[0], fp8_output=fp8_output, fp8_grad=fp8_grad)
     with torch.no_grad():
         lin.weight.copy_(torch.from_numpy(w))
         lin.bias.copy_(torch.from_numpy(b))
+    lin.weight.requires_grad_(w_grad)
     out = []
     for x, g in zip(xs, gs, strict=True):
-        xt = torch.from_numpy(x).requires_grad_(True)
+        xt = torch.from_numpy(x).requires_grad_(x_grad)
         scales = (lin.fp8_meta.forward.scale.clone(), lin.fp8_meta.backward.scale.clone())
         with f8t.autocast(recipe=recipe):
             y = lin(xt)
@@ -108,14 +109,15 @@ def _torch_steps(recipe, w, b, xs, gs, fp8_output, fp8_grad):
             fw.update_count.numpy().astype(np.float32),
             bw.update_count.numpy().astype(np.float32),
         ]
-        grads = (xt.grad.numpy(), lin.weight.grad.numpy().T.copy(), lin.bias.grad.numpy())
+        w_grad_t = None if lin.weight.grad is None else lin.weight.grad.T
+        grads = tuple(None if t is None else t.numpy() for t in (xt.grad, w_grad_t, lin.bias.grad))
         lin.weight.grad = None
         lin.bias.grad = None
         out.append((y.detach().numpy(), grads, state, scales))
     return out
 
 
-def _jax_steps(recipe, w, b, xs, gs, fp8_output, fp8_grad):
+def _jax_steps(recipe, w, b, xs, gs, fp8_output, fp8_grad, x_grad=True, w_grad=True):
     layer = Dense(w.shape[0], recipe=recipe, fp8_output=fp8_output, fp8_grad=fp8_grad)
     v = {  # what layer.init would create, with the torch layer's parameters
         "params": {"kernel": jnp.asarray(w.T), "bias": jnp.asarray(b)},
@@ -124,12 +126,16 @@ def _jax_steps(recipe, w, b, xs, gs, fp8_output, fp8_grad):
 
     @jax.jit
     def step(v, x, g):
-        def loss(v, x):
-            y = layer.apply(v, x)
+        def loss(v, kernel, x):
+            y = layer.apply({**v, "params": {**v["params"], "kernel": kernel}}, x)
             return jnp.sum(y * g), y
 
-        (_, y), (gv, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(v, x)
-        return y, (gx, gv["params"]["kernel"], gv["params"]["bias"]), f8j.update(v, gv)
+        argnums = (0,) + ((1,) if w_grad else ()) + ((2,) if x_grad else ())
+        (_, y), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(
+            v, v["params"]["kernel"], x
+        )
+        gv, gw, gx = grads[0], grads[1] if w_grad else None, grads[-1] if x_grad else None
+        return y, (gx, gw, gv["params"]["bias"]), f8j.update(v, gv)
 
     out = []
     for x, g in zip(xs, gs, strict=True):
@@ -145,9 +151,8 @@ def _jax_steps(recipe, w, b, xs, gs, fp8_output, fp8_grad):
             m.forward.update_count,
             m.backward.update_count,
         ]
-        out.append(
-            (np.asarray(y), tuple(map(np.asarray, grads)), list(map(np.asarray, state)), scales)
-        )
+        grads = tuple(None if a is None else np.asarray(a) for a in grads)
+        out.append((np.asarray(y), grads, list(map(np.asarray, state)), scales))
     return out
 
 
@@ -219,3 +224,29 @@ def test_exact_data_gives_bit_identical_everything(rng) -> None:
             np.testing.assert_array_equal(c, a)
     last = j_out[-1][2]
     assert np.asarray(last[0])[:, 2].any() and np.asarray(last[2])[:, 1].any()  # OUTPUT, GRAD_INPUT
+
+
+@pytest.mark.parametrize(("x_grad", "w_grad"), [(False, True), (True, False), (False, False)])
+def test_undifferentiated_operands_record_what_torch_records(rng, x_grad, w_grad) -> None:
+    """A first layer (input not differentiated) with fp8_grad, a frozen weight, or both (only
+    the bias trains): the backward casts and GEMMs nobody needs do not run, so the GRAD_INPUT
+    (and, with both, GRAD_OUTPUT) slots skip their events as in fp8kit.torch; the state matches
+    bit for bit (JAX recorded a GRAD_INPUT amax for an input nobody differentiated before)."""
+    recipe = f8j.DelayedScaling(amax_history_len=3, power_2_scale=True)
+    w = (rng.integers(-8, 9, (16, 32)) / 8).astype(np.float32)
+    b = (rng.integers(-4, 5, (16,)) / 4).astype(np.float32)
+    xs = [rng.integers(-8, 9, (8, 32)).astype(np.float32) * 2.0 ** (i - 2) for i in range(4)]
+    gs = [rng.integers(-4, 5, (8, 16)).astype(np.float32) * 2.0**-i for i in range(4)]
+    t_out = _torch_steps(recipe, w, b, xs, gs, False, True, x_grad, w_grad)
+    j_out = _jax_steps(recipe, w, b, xs, gs, False, True, x_grad, w_grad)
+    for (yt, gt, st, _), (yj, gj, sj, _) in zip(t_out, j_out, strict=True):
+        np.testing.assert_array_equal(yj, yt)
+        for a, c in zip(gt, gj, strict=True):
+            assert (a is None) == (c is None)
+            if a is not None:
+                np.testing.assert_array_equal(c, a)
+        for a, c in zip(st, sj, strict=True):
+            np.testing.assert_array_equal(c, a)
+    backward_history = np.asarray(j_out[-1][2][2])
+    assert backward_history[:, 1].any() == x_grad  # GRAD_INPUT: only if dX was computed
+    assert backward_history[:, 0].any() == (x_grad or w_grad)  # GRAD_OUTPUT: if a GEMM needed dY
