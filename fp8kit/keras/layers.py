@@ -53,6 +53,16 @@ class _Fp8LayerMixin:
         self.fp8_state = None
         self._fp8_plan = None
 
+    def add_weight(self, *args: Any, **kwargs: Any) -> Any:
+        """Keras's ``add_weight``; an FP8 layer's kernel is created with ``autocast=False``:
+        its FP8 cast reads the float32 master copy, as fp8kit.torch's does under
+        ``torch.autocast``. Under ``mixed_bfloat16`` Keras would otherwise hand the GEMM a
+        bfloat16 copy (a second rounding before the FP8 one, and a bfloat16 weight amax), and
+        the kernel gradient would come back rounded to bfloat16."""
+        if kwargs.get("name") == "kernel" and getattr(self, "recipe", None) is not None:
+            kwargs["autocast"] = False
+        return super().add_weight(*args, **kwargs)  # type: ignore[misc]
+
     def _build_fp8(self, equation: str) -> None:
         mode = self.quantization_mode  # type: ignore[attr-defined]
         if mode is not None:

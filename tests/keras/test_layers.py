@@ -122,6 +122,32 @@ def test_drop_in_arguments_config_and_mixed_bfloat16(rng) -> None:
     assert layer.fp8_state.fwd_count.numpy()[0] == 1
 
 
+def test_mixed_bfloat16_quantizes_the_float32_master_kernel(rng) -> None:
+    """Under mixed_bfloat16 the kernel's FP8 cast reads the float32 master copy, as under the
+    float32 policy (and as fp8kit.torch under torch.autocast): the same output, WEIGHT amax and
+    float32 kernel gradient. Keras's autocast rounded it to bfloat16 first: 1.0625 + 2**-12 went
+    to 1.0625 (an E4M3 tie, to 1.0) instead of 1.125, and dW came back bfloat16-rounded."""
+    w = np.array([[1.0625 + 2**-12, 0.3], [0.0, -2.7]], np.float32)
+    x = np.array([[1.0, 0.0], [0.37, 1.5]], np.float32)
+    g = np.array([[1.0, 0.3], [0.1, 1.9]], np.float32)
+    out = {}
+    for policy in ("float32", "mixed_bfloat16"):
+        layer = f8.Dense(2, use_bias=False, dtype=policy, recipe=f8.DelayedScaling())
+        layer.build((None, 2))
+        layer.kernel.assign(w)
+        with tf.GradientTape() as tape:
+            y = layer(tf.constant(x), training=True)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * g)
+        dw = tape.gradient(loss, layer.kernel)
+        hist = layer.fp8_state.fwd_history.numpy()
+        out[policy] = (tf.cast(y, tf.float32).numpy(), hist[-1, 1], dw)
+    (y32, amax32, dw32), (y16, amax16, dw16) = out["float32"], out["mixed_bfloat16"]
+    assert y32[0, 0] == 1.125 and y16[0, 0] == 1.125
+    assert amax16 == amax32 == np.abs(w).max()
+    assert dw16.dtype == tf.float32
+    np.testing.assert_array_equal(dw16.numpy(), dw32.numpy())
+
+
 def test_training_false_and_inference_leave_state_unchanged(rng) -> None:
     layer = dense(6, random_fp8_friendly(rng, (8, 6)), np.zeros(6, np.float32), f8.DelayedScaling())
     x = tf.constant(random_fp8_friendly(rng, (4, 8)))
