@@ -354,3 +354,20 @@ def test_a_second_derivative_raises(rng, mode: str) -> None:
     np.testing.assert_allclose(first(x).numpy(), np.ones((2, 2)) @ w_fp8.T, rtol=1e-6)
     with pytest.raises(TypeError, match="differentiate twice through an FP8 GEMM"):
         run(x)
+
+
+def test_a_function_traced_without_a_tape_still_updates_when_a_tape_records_it(rng) -> None:
+    """A tf.function whose first trace ran with no tape (a warm-up call), later called under a
+    GradientTape: its backward runs an update event per taped call. The untaped first trace
+    used to bake in the frozen path, so the scales never moved."""
+    layer = dense(2, random_fp8_friendly(rng, (3, 2)), np.zeros(2, np.float32), f8.DelayedScaling())
+    x = tf.constant(random_fp8_friendly(rng, (4, 3)))
+    forward = tf.function(lambda t: layer(t, training=True))
+    forward(x)  # traced here, with no tape: no event (nothing records its backward)
+    np.testing.assert_array_equal(layer.fp8_state.fwd_count.numpy(), [0, 0, 0])
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(forward(x))
+        assert tape.gradient(loss, layer.kernel) is not None
+    np.testing.assert_array_equal(layer.fp8_state.fwd_count.numpy(), [3, 3, 0])
+    assert forward.experimental_get_tracing_count() == 1  # the untaped trace was reused

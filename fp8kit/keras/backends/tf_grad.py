@@ -51,14 +51,19 @@ def replica_max(amaxes: tf.Tensor, recipe: Any) -> tf.Tensor:
     return tf.reduce_max(ctx.all_gather(amaxes[None], axis=0), axis=0)
 
 
-def _chain_slot(state: Fp8State) -> tuple[dict[tuple[int, int], Any], tuple[int, int]] | None:
-    """Where this graph keeps the token of ``state``'s latest call (None when eager)."""
+def _chain_slot(
+    state: Fp8State, taped: bool
+) -> tuple[dict[tuple[int, int, bool], Any], tuple[int, int, bool]] | None:
+    """Where this graph keeps the token of ``state``'s latest call (None when eager). Calls
+    traced under a tape and calls traced without one chain apart: an untaped call's backward
+    runs only if a tape outside the function records it, which must not decide whether the
+    taped calls' event runs."""
     if tf.executing_eagerly():
         return None
     graph = tf.compat.v1.get_default_graph()
     ctx = tf.distribute.get_replica_context()
     table = _CHAINS.setdefault(graph, {})
-    return table, (id(state), id(ctx))
+    return table, (id(state), id(ctx), taped)
 
 
 def fp8_einsum(
@@ -75,7 +80,7 @@ def fp8_einsum(
         plan: the GEMM plan; state: the layer's FP8 state.
         x: input; w: kernel (as the layer's compute dtype).
         training: observe amaxes and update ``state`` (True) or leave it untouched (False). A
-            training call that no ``GradientTape`` records observes nothing either.
+            training call whose backward never runs (no tape records it) observes nothing.
         out_dtype: dtype of the result.
     """
     fwd_scale, fwd_count, bwd_scale, bwd_count = state.read()
@@ -83,9 +88,11 @@ def fp8_einsum(
     x, w = tf.convert_to_tensor(x), tf.convert_to_tensor(w)
     x_dtype, w_dtype = standardize_dtype(x.dtype), standardize_dtype(w.dtype)
 
-    if not training or not record.could_possibly_record():
-        # No tape records this call: its backward can never run, so it observes nothing (and
-        # must not become the head of a chain that later calls of the step would join).
+    taped = record.could_possibly_record()
+    if not training or not (taped or tf.inside_function()):
+        # Eager and no tape records this call: its backward can never run, so it observes
+        # nothing. (Traced without a tape, a tape outside the tf.function may still record the
+        # call later: that call is observed, on a chain of its own, see _chain_slot.)
 
         @tf.custom_gradient
         def frozen(x: tf.Tensor, w: tf.Tensor) -> Any:
@@ -99,7 +106,7 @@ def fp8_einsum(
 
         return frozen(x, w)
 
-    slot = _chain_slot(state)
+    slot = _chain_slot(state, taped)
     previous = None if slot is None else slot[0].get(slot[1])
     is_head = previous is None
     token_in = tf.zeros((state.num_observations,), tf.float32) if is_head else previous
