@@ -23,6 +23,7 @@ __all__ = [
     "Float8CurrentScaling",
     "Format",
     "Recipe",
+    "check_rebuildable",
     "recipe_from_dict",
 ]
 
@@ -292,6 +293,27 @@ def _resolve_callable(field_name: str, spec: Any) -> Callable[..., Any]:
             f"rebuilding the recipe (fp8kit never imports code named in a checkpoint)"
         )
     return obj
+
+
+def check_rebuildable(recipe: Recipe, where: str) -> None:
+    """Raise a ValueError unless :func:`recipe_from_dict` can rebuild ``recipe`` from its
+    ``to_dict()`` in this process: every callable field must be reachable by its module and
+    qualified name (a lambda or a function defined inside another is not). ``where`` names what
+    is being saved, for the message."""
+    for f in fields(recipe):  # type: ignore[arg-type]
+        value = getattr(recipe, f.name)
+        if not callable(value) or isinstance(value, Format):
+            continue
+        spec = {"callable": f"{value.__module__}:{value.__qualname__}"}
+        try:
+            found = _resolve_callable(f.name, spec)
+        except ValueError:
+            found = None
+        if found is not value:
+            raise ValueError(
+                f"{where}: recipe.{f.name} is {spec['callable']!r}, which a saved config cannot "
+                "name (a lambda or a nested function); use a function defined at module level"
+            )
 
 
 def recipe_from_dict(data: dict[str, Any]) -> Recipe:

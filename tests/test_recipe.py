@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 
 from fp8kit.formats import E4M3, E5M2, scale_numerator
-from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format, recipe_from_dict
+from fp8kit.recipe import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Format,
+    check_rebuildable,
+    recipe_from_dict,
+)
 
 
 def test_import_pulls_no_framework() -> None:
@@ -200,6 +206,22 @@ def test_callables_serialise_by_name_and_resolve_only_loaded_modules() -> None:
         recipe_from_dict(data)
     with pytest.raises(ValueError, match="type"):
         recipe_from_dict({"type": "Pickle"})
+
+
+def test_check_rebuildable_refuses_callables_a_config_cannot_name() -> None:
+    """What a saved config (Keras get_config) may hold: module-level functions, not a lambda or
+    a nested function, which saved fine and could never be loaded."""
+
+    def nested(history: np.ndarray) -> np.ndarray:
+        return history[0]
+
+    check_rebuildable(DelayedScaling(amax_compute_algo=custom_amax), "test")
+    check_rebuildable(DelayedScaling(), "test")
+    for fn in (lambda history: history[0], nested):
+        with pytest.raises(
+            ValueError, match=r"layer x: recipe\.amax_compute_algo is .*(<lambda>|<locals>)"
+        ):
+            check_rebuildable(DelayedScaling(amax_compute_algo=fn), "layer x")
 
 
 @pytest.mark.parametrize(

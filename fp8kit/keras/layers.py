@@ -26,7 +26,7 @@ from fp8kit.keras.backends import fp8_einsum_for_backend
 from fp8kit.keras.gemm import GemmPlan, plan_einsum
 from fp8kit.keras.quantization import FP8_DTYPE_NAMES
 from fp8kit.keras.state import STATE_VARIABLES, Fp8State
-from fp8kit.recipe import Recipe, recipe_from_dict
+from fp8kit.recipe import Recipe, check_rebuildable, recipe_from_dict
 
 logger = logging.getLogger("fp8kit")
 
@@ -108,9 +108,16 @@ class _Fp8LayerMixin:
 
     def _fp8_config(self) -> dict[str, Any]:
         return {
-            "recipe": None if self.recipe is None else self.recipe.to_dict(),
+            "recipe": None if self.recipe is None else self._recipe_config(),
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
         }
+
+    def _recipe_config(self) -> dict[str, Any]:
+        """The recipe's ``to_dict()``, refused when loading could not rebuild it (a lambda
+        saved fine and could never be loaded)."""
+        assert self.recipe is not None
+        check_rebuildable(self.recipe, f"{type(self).__name__} {self.name!r} config")  # type: ignore[attr-defined]
+        return self.recipe.to_dict()
 
     def _save_fp8(self, store: Any) -> None:
         if self.fp8_state is None:

@@ -229,7 +229,7 @@ def test_gradient_accumulation_takes_the_max_and_updates_every_k_passes(rng) -> 
     assert fmax.size == 5
 
 
-def test_bad_input_raises_clear_errors(rng) -> None:
+def test_bad_input_raises_clear_errors(rng, tmp_path) -> None:
     with pytest.raises(
         TypeError,
         match=r"recipe must be None \(high precision\) or an fp8kit.recipe.DelayedScaling",
@@ -251,6 +251,11 @@ def test_bad_input_raises_clear_errors(rng) -> None:
         f8.EinsumDense("abc,cd->ad", 5)(tf.ones((2, 3, 4)))
     with pytest.raises(ValueError, match="ellipsis only at the start"):
         f8.EinsumDense("ab...,bc->ac...", (5, 4))(tf.ones((2, 3, 4)))
+    # a recipe whose callable a saved config cannot name: refused when saving, not at load
+    lambda_recipe = f8.DelayedScaling(amax_compute_algo=lambda h: h[0])
+    model = keras.Sequential([keras.Input((3,)), f8.Dense(4, recipe=lambda_recipe, name="d")])
+    with pytest.raises(ValueError, match=r"Dense 'd' config: recipe\.amax_compute_algo .*<lambda>"):
+        model.save(str(tmp_path / "m.keras"))
 
 
 def test_autocast_sets_construction_defaults_only() -> None:
