@@ -10,10 +10,13 @@ A Keras layer's recipe is part of its config (saved in ``.keras`` files) and of 
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
@@ -49,9 +52,11 @@ def check_recipe(recipe: Any, name: str = "recipe") -> Recipe | None:
 
 
 def check_accumulation_steps(steps: Any) -> int:
-    """Return ``steps`` if it is an int >= 1, else raise."""
-    if isinstance(steps, bool) or not isinstance(steps, int):
+    """Return ``steps`` as an int if it is an integer >= 1 (``np.int64`` included, as Keras
+    optimizers accept), else raise."""
+    if isinstance(steps, (bool, np.bool_)) or not isinstance(steps, numbers.Integral):
         raise TypeError(f"gradient_accumulation_steps must be an int >= 1, got {steps!r}")
+    steps = int(steps)
     if steps < 1:
         raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {steps}")
     return steps

@@ -94,6 +94,11 @@ class _Fp8LayerMixin:
                 f"{type(self).__name__} {self.name!r}: inputs must have a high-precision float "  # type: ignore[attr-defined]
                 f"dtype (float32, bfloat16, float16), got {dtype}"
             )
+        if training is not None and not isinstance(training, (bool, np.bool_)):
+            raise TypeError(
+                f"{type(self).__name__} {self.name!r}: training must be None, True or False, "  # type: ignore[attr-defined]
+                f"got {training!r}"
+            )
         self._refuse_lora()
         assert self._fp8_plan is not None and self.fp8_state is not None
         fp8_einsum = fp8_einsum_for_backend()

@@ -237,6 +237,7 @@ def test_bad_input_raises_clear_errors(rng, tmp_path) -> None:
         f8.Dense(4, recipe="hybrid")
     with pytest.raises(ValueError, match="gradient_accumulation_steps must be an int >= 1"):
         f8.Dense(4, gradient_accumulation_steps=0)
+    assert f8.Dense(4, gradient_accumulation_steps=np.int64(2)).gradient_accumulation_steps == 2
     with pytest.raises(TypeError, match="gradient_accumulation_steps must be an int"):
         f8.autocast(gradient_accumulation_steps=1.5).__enter__()
     with pytest.raises(TypeError, match="amax_history_len must be an int"):
@@ -244,6 +245,8 @@ def test_bad_input_raises_clear_errors(rng, tmp_path) -> None:
     layer = f8.Dense(4)
     with pytest.raises(TypeError, match=r"inputs must have a high-precision float dtype.*int32"):
         layer(tf.ones((2, 3), tf.int32))
+    with pytest.raises(TypeError, match="training must be None, True or False, got 'False'"):
+        layer(tf.ones((2, 3)), training="False")  # was a training call
     # (FP8 inputs are cast to the compute dtype by Keras itself, exactly, before call())
     with pytest.raises(ValueError, match="cannot be combined with fp8kit's FP8 GEMM"):
         f8.Dense(4, dtype="float8_from_float32")(tf.ones((2, 3)))
