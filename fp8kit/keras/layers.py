@@ -38,6 +38,18 @@ def _recipe_arg(recipe: Any) -> Any:
     return recipe_from_dict(recipe) if isinstance(recipe, dict) else recipe
 
 
+def _is_training_flag(training: Any) -> bool:
+    """What Keras layers take as ``training``: None, a bool or a 0-d boolean tensor (a string
+    such as "False" would be truthy)."""
+    if training is None or isinstance(training, (bool, np.bool_)):
+        return True
+    return (
+        keras.ops.is_tensor(training)
+        and keras.backend.standardize_dtype(training.dtype) == "bool"
+        and len(training.shape) == 0
+    )
+
+
 class _Fp8LayerMixin:
     """What Dense and EinsumDense share: recipe resolution, FP8 state, the FP8 GEMM."""
 
@@ -94,10 +106,10 @@ class _Fp8LayerMixin:
                 f"{type(self).__name__} {self.name!r}: inputs must have a high-precision float "  # type: ignore[attr-defined]
                 f"dtype (float32, bfloat16, float16), got {dtype}"
             )
-        if training is not None and not isinstance(training, (bool, np.bool_)):
+        if not _is_training_flag(training):
             raise TypeError(
-                f"{type(self).__name__} {self.name!r}: training must be None, True or False, "  # type: ignore[attr-defined]
-                f"got {training!r}"
+                f"{type(self).__name__} {self.name!r}: training must be None, a bool or a 0-d "  # type: ignore[attr-defined]
+                f"boolean tensor, got {training!r}"
             )
         self._refuse_lora()
         assert self._fp8_plan is not None and self.fp8_state is not None

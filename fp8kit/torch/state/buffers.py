@@ -185,7 +185,6 @@ class ScalingState(nn.Module):
         for name, buf in self._buffers.items():
             if buf is None:
                 continue
-            address = buf.data_ptr()
             moved = fn(buf)
             if moved.dtype != buf.dtype:
                 moved = (
@@ -197,9 +196,11 @@ class ScalingState(nn.Module):
             if moved is not buf:
                 self._buffers[name] = moved
                 _buffers_replaced()
-            elif moved.data_ptr() != address:
-                # Moved in place (``share_memory_``): the same tensor at a new address, which the
-                # prepared casts and update events hold (docs/performance.md).
+            else:
+                # Perhaps moved in place (``share_memory_``): the same tensor at a new address,
+                # which the prepared casts hold (docs/performance.md). Pooled buffers are views
+                # of one storage that the first state's call moves for all, so no state can tell
+                # from its own address: drop the prepared casts (a cold path).
                 self._slot_views_of = ()
                 _buffers_replaced()
         if materialised:
