@@ -4,7 +4,7 @@
 # 1. installs the wheels carried in the ignored .whl/ folder (torchao) into /tmp/site;
 # 2. tests: first the CUDA-only tests (compiled Triton kernels bit for bit against the model,
 #    CUDA graphs, compiled modes; -v, so each result is in tests.log as it happens), then
-#    python3 -m pytest -v tests/torch (at most $TEST_TIMEOUT s, default 420), without the
+#    python3 -m pytest -v tests/torch (at most $TEST_TIMEOUT s, default 330), without the
 #    Triton-interpreter tests: the GPU runs the compiled kernels, and Triton 3.6's interpreter
 #    fails under numpy >= 2.4 (int() of a 1-element array);
 # 3. bench: python3 -m benchmarks.gpu --only linear,tiny,syncs,cast,gpt --out $OUT/gpu.json;
@@ -31,9 +31,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 status=0
 if [ "$mode" = all ] || [ "$mode" = tests ]; then
   gpu_only="test_triton_on_the_gpu or test_real_cuda_graphs or test_cuda_compiled_modes"
-  timeout 150 python3 -m pytest -v -ra tests/torch -k "$gpu_only" -p no:cacheprovider 2>&1 \
+  timeout 240 python3 -m pytest -v -ra tests/torch -k "$gpu_only" -p no:cacheprovider 2>&1 \
     | tee "$out/tests.log" | tail -30 || status=$?
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -v -ra tests/torch \
+  timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -ra tests/torch \
     -k "not under_interpreter and not ($gpu_only)" -p no:cacheprovider 2>&1 \
     | tee -a "$out/tests.log" | tail -30 || status=$?
 fi
