@@ -235,8 +235,9 @@ for _spec in _SPECS.values():
 
 def dense(x: torch.Tensor) -> torch.Tensor:
     """``x`` as row-major memory a kernel can walk through its pointer (a copy only when it is
-    not already); a lazily negated view (``x.neg()`` of a conjugate-free view, ``torch._neg_view``)
-    is materialised, since its memory holds the values before negation."""
+    not already); a lazily negated view (``torch._neg_view``, or the imaginary part of a
+    conjugated complex tensor) is materialised, since its memory holds the values before
+    negation."""
     if x.is_neg():
         x = x.resolve_neg()
     return x if x.is_contiguous() else x.contiguous()
