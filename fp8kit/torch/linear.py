@@ -21,7 +21,12 @@ from fp8kit.matmul_args import SECOND_DERIVATIVE_ERROR
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch.autocast import FP8Settings, current_settings
 from fp8kit.torch.gemm import GEMM_ALIGNMENT, cublaslt_fuses_bias, fp8_gemm_bias_t, padded_mm
-from fp8kit.torch.quantization import HIGH_PRECISION_DTYPES, Float8Tensor, check_high_precision
+from fp8kit.torch.quantization import (
+    HIGH_PRECISION_DTYPES,
+    Float8Tensor,
+    check_high_precision,
+    dequantize_unchecked,
+)
 from fp8kit.torch.quantizer import FP8Run
 from fp8kit.torch.recompute import warn_if_recomputed_without_fp8
 from fp8kit.torch.state import (
@@ -323,7 +328,8 @@ class _LinearFunction(torch.autograd.Function):
         else:
             y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         if fp8_output:
-            y = run.quantize_forward(y, fwd_slot(gemm, FwdSlot.OUTPUT)).dequantize(y.dtype)
+            y_fp8 = run.quantize_forward(y, fwd_slot(gemm, FwdSlot.OUTPUT))
+            y = dequantize_unchecked(y_fp8, y.dtype)
 
         ctx.run = run
         ctx.gemm = gemm
@@ -384,7 +390,7 @@ class _LinearFunction(torch.autograd.Function):
                 dx = (dy.to(torch.float32) @ weight.to(torch.float32)).to(ctx.x_dtype)
             if ctx.fp8_grad:
                 slot = bwd_slot(ctx.gemm, BwdSlot.GRAD_INPUT)
-                dx = run.quantize_backward(dx, slot)[0].dequantize(dx.dtype)
+                dx = dequantize_unchecked(run.quantize_backward(dx, slot)[0], dx.dtype)
         if need_dw:
             if wgrad_fp8:
                 # A = dY^T (N, M) row-major; B = x (M, K) column-major: its transpose is x^T.

@@ -26,6 +26,7 @@ __all__ = [
     "check_float8_tensor",
     "current_scale",
     "dequantize",
+    "dequantize_unchecked",
     "fp8_format_of",
     "quantize",
     "quantize_current",
@@ -124,6 +125,12 @@ def dequantize(t: Float8Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
         raise TypeError(
             f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype}"
         )
+    return dequantize_unchecked(t, dtype)
+
+
+def dequantize_unchecked(t: Float8Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`dequantize` without its argument checks, for a ``t`` fp8kit built itself and a
+    high-precision ``dtype`` (the FP8 output and input-gradient paths of a module call)."""
     scale_inv = t.scale_inv.reshape(())  # one element: it must not broadcast into the shape
     if t.data.device.type == "cpu":
         return kernels.dequantize_fp8(t.data, scale_inv, dtype)  # torch where no kernel fits
