@@ -113,6 +113,22 @@ class Linear(nnx.Module):
         return y
 
 
+def _check_argnums(argnums: Any) -> tuple[int, ...]:
+    """``argnums`` as a tuple of positions; a clear error for anything but an int or ints."""
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    if (
+        not isinstance(nums, Sequence)
+        or isinstance(nums, str)
+        or not nums
+        or any(isinstance(n, bool) or not isinstance(n, int) for n in nums)
+    ):
+        raise TypeError(
+            f"argnums must be an int or a non-empty sequence of ints (argument positions), "
+            f"got {argnums!r}"
+        )
+    return tuple(nums)
+
+
 def value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -122,15 +138,21 @@ def value_and_grad(
 
     Returns a function giving ``(value, grads, observations)``: ``grads`` is an ``nnx.State`` of
     the ``nnx.Param`` gradients only (what ``nnx.Optimizer(..., wrt=nnx.Param).update`` takes),
-    ``observations`` the FP8 observations for :func:`update`.
+    ``observations`` the FP8 observations for :func:`update`. With several ``argnums`` both
+    are tuples; an argument that is not an NNX graph node (an array) gets its plain gradient
+    and ``None`` observations.
     """
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    nums = _check_argnums(argnums)
     diff = tuple(nnx.DiffState(n, nnx.Any(nnx.Param, Fp8MetaVariable)) for n in nums)
     inner = nnx.value_and_grad(
         fun, argnums=diff[0] if isinstance(argnums, int) else diff, has_aux=has_aux
     )
 
     def split(state: Any) -> tuple[Any, Any]:
+        if not isinstance(state, nnx.State):
+            # An argument that is not a graph node (an array, a pytree of arrays) has a plain
+            # gradient and holds no FP8 state: None, as fp8kit.jax.value_and_grad gives.
+            return state, None
         params, metas = nnx.split_state(state, nnx.Param, Fp8MetaVariable)
         _, obs = split_grads({path: var.get_value() for path, var in nnx.to_flat_state(metas)})
         return params, obs

@@ -112,3 +112,32 @@ def test_without_recipe_it_is_a_plain_linear() -> None:
     np.testing.assert_array_equal(np.asarray(ours(x)), np.asarray(theirs(x)))
     with pytest.raises(ValueError, match="in_features"):
         Linear(0, 5, rngs=nnx.Rngs(0))
+
+
+def test_value_and_grad_over_a_model_and_an_array() -> None:
+    # An array argument has a plain gradient and no FP8 state; this raised AttributeError.
+    x = jnp.asarray(random_fp8_friendly(np.random.default_rng(3), (4, 3)))
+    model = Linear(3, 5, recipe=RECIPE, rngs=nnx.Rngs(0))
+
+    def loss(m, inputs):
+        return jnp.sum(m(inputs) ** 2)
+
+    value, (g_model, g_x), (obs_model, obs_x) = value_and_grad(loss, argnums=(0, 1))(model, x)
+    value_0, g_0, obs_0 = value_and_grad(loss)(model, x)
+    assert float(value) == float(value_0)
+    assert obs_x is None  # as fp8kit.jax.value_and_grad gives for an array
+    for a, b in zip(
+        jax.tree.leaves((g_model, obs_model)), jax.tree.leaves((g_0, obs_0)), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # dX is the FP8 backward's: the same as the functional op's for this state
+    meta = model.fp8_meta.get_value()
+    kernel, bias = model.kernel[...], model.bias[...]
+    ref_dx = jax.grad(lambda v: jnp.sum(f8.dot_general(v, kernel, DIMS, meta, bias=bias) ** 2))(x)
+    np.testing.assert_array_equal(np.asarray(g_x), np.asarray(ref_dx))
+
+
+@pytest.mark.parametrize("argnums", ["0", (), (0, True), 1.0, None])
+def test_value_and_grad_refuses_bad_argnums(argnums) -> None:
+    with pytest.raises(TypeError, match="argnums must be an int or a non-empty sequence"):
+        value_and_grad(lambda m: 0.0, argnums=argnums)
