@@ -54,6 +54,10 @@ def backward_scales(amaxes: list[float], recipe: DelayedScaling) -> list[float]:
     return out
 
 
+def _tensors(state: f8.ScalingState) -> tuple[torch.Tensor, ...]:
+    return state.amax_history, state.scale, state.update_count
+
+
 def f32(values: list[float]) -> list[float]:
     return [float(np.float32(v)) for v in values]
 
@@ -157,6 +161,37 @@ def test_callable_amax_algorithm_sees_the_current_amax_in_row_0() -> None:
     scales, _ = forward_scales([2, 6], recipe)
     assert seen[1][:, INPUT].tolist() == [6, 2]
     assert scales == f32([448 / 1, 448 / 4])
+
+
+def test_callable_algorithm_sees_only_the_states_that_ran() -> None:
+    """SPEC section 3: a callable is evaluated on the states that ran under the recipe, together.
+    A model of the same recipe object that did not run in this autocast is neither passed to the
+    callable nor able to change the scales of the one that ran."""
+    widths: list[int] = []
+
+    def whole_state_max(history: torch.Tensor) -> torch.Tensor:
+        widths.append(history.shape[1])
+        return history.amax().expand(history.shape[1])
+
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=whole_state_max)
+    torch.manual_seed(0)
+    ran, idle = f8.Linear(16, 16), f8.Linear(16, 16)
+    with f8.autocast(recipe=recipe):
+        idle(_x_with_amax(1000.0)).sum().backward()  # registers ``idle`` with a large amax
+    idle_state = [t.clone() for t in _tensors(idle.fp8_meta.forward)]
+    widths.clear()
+    with f8.autocast(recipe=recipe):
+        y = ran(_x_with_amax(2.0))
+    y.sum().backward()  # the forward event at the autocast exit, then the backward one
+    slots = (ran.fp8_meta.forward.num_slots, ran.fp8_meta.backward.num_slots)
+    assert tuple(widths) == slots
+    forward = ran.fp8_meta.forward
+    own_max = forward.amax_history[-1].max().item()
+    ran_once = forward.update_count.tolist()  # a slot that staged 0 keeps scale 1
+    assert forward.scale.tolist() == f32([448 / own_max if n else 1 for n in ran_once])
+    assert sum(ran_once) == 2  # the input and the weight
+    for before, after in zip(idle_state, _tensors(idle.fp8_meta.forward), strict=True):
+        assert torch.equal(before, after)
 
 
 def test_callable_scaling_factor_and_its_guard() -> None:

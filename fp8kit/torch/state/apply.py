@@ -85,21 +85,26 @@ def apply_update(
         tensors, rule = _kernel_args(pool, recipe, fmax)
         delayed_update_(*tensors, ran=ran, **rule)
         return
-    history = pool.history
-    kept = None
-    if ran is not None:
-        kept = history[0].clone()
-        history[0] = torch.where(ran, history[0], 0.0)
-    pool.nonfinite_count.add_(torch.isinf(history[0]))
+    if ran is None:
+        _rule_update(pool, recipe, fmax, slice(None))
+    else:  # the callable sees the columns that ran, and only those (SPEC section 3)
+        _rule_update(pool, recipe, fmax, pool.columns_of(ran))
+
+
+def _rule_update(
+    pool: StatePool, recipe: DelayedScaling, fmax: float, columns: slice | torch.Tensor
+) -> None:
+    """The torch rule of :mod:`fp8kit.torch.scaling` on the pool's ``columns`` (a slice, or int64
+    indices), in place; the other columns are left as they are."""
+    history = pool.history[:, columns]
+    pool.nonfinite_count[columns] += torch.isinf(history[0])
     new_history, new_scale, new_count = update_scaling_state(
-        history, pool.scale, pool.update_count, recipe, fmax
+        history, pool.scale[columns], pool.update_count[columns], recipe, fmax
     )
-    if kept is not None:
-        new_history[0] = torch.where(ran, new_history[0], kept)  # type: ignore[arg-type]
-    history.copy_(new_history)
-    pool.scale.copy_(new_scale)
-    pool.update_count.copy_(new_count)
-    torch.reciprocal(new_scale, out=pool.scale_inv)
+    pool.history[:, columns] = new_history
+    pool.scale[columns] = new_scale
+    pool.update_count[columns] = new_count
+    pool.scale_inv[columns] = torch.reciprocal(new_scale)
 
 
 class NonfiniteWatch:

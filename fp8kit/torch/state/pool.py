@@ -36,6 +36,8 @@ class StatePool:
         self.update_count = torch.zeros(0, dtype=torch.int64)
         self.nonfinite_count = torch.zeros(0, dtype=torch.int64)
         self._masks: dict[frozenset[int], torch.Tensor] = {}  # slot_mask cache (device tensors)
+        # slot_mask's column indices, by id of a mask held in _masks (so its id is not reused)
+        self._columns: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Anything derived from the pool's tensors by their users (the prepared update event of
         # fp8kit.torch.state.apply), dropped whenever the tensors are replaced.
         self.derived: dict[object, object] = {}
@@ -95,6 +97,7 @@ class StatePool:
             self.update_count = torch.cat([s.update_count for s in states])
             self.nonfinite_count = torch.cat([s.nonfinite_count for s in states])
         self._masks = {}
+        self._columns = {}
         self.derived = {}
         self._members = [weakref.ref(s) for s in states]
         self._views = []
@@ -142,8 +145,23 @@ class StatePool:
                 state = ref()
                 if state is not None:
                     flags += [id(state) in wanted] * state.num_slots
-            mask = torch.tensor(flags, dtype=torch.bool).to(self.history.device)
+            device = self.history.device
+            mask = torch.tensor(flags, dtype=torch.bool).to(device)
+            columns = torch.tensor([i for i, f in enumerate(flags) if f], dtype=torch.int64)
             if len(self._masks) >= _MAX_CACHED_MASKS:  # patterns keep changing: stay bounded
                 self._masks.clear()
+                self._columns.clear()
             self._masks[wanted] = mask
+            self._columns[id(mask)] = (mask, columns.to(device))
         return mask
+
+    def columns_of(self, mask: torch.Tensor) -> torch.Tensor:
+        """int64 ``(K,)`` device indices of the True entries of a boolean ``(N,)`` ``mask``.
+
+        Known without a host read for a mask :meth:`slot_mask` made; any other mask (one that
+        came out of an all-reduce) is read with ``nonzero``, a host synchronisation on CUDA.
+        """
+        cached = self._columns.get(id(mask))
+        if cached is not None and cached[0] is mask:
+            return cached[1]
+        return mask.nonzero().flatten()
