@@ -18,7 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8kit.torch.autocast import current_settings
-from fp8kit.torch.linear import fp8_linear, fp8_run_for, resolve_params_dtype
+from fp8kit.torch.linear import (
+    RunCacheOwner,
+    fp8_linear,
+    fp8_run_for,
+    resolve_params_dtype,
+)
 from fp8kit.torch.quantization import check_high_precision
 from fp8kit.torch.quantizer import FP8Run
 from fp8kit.torch.state import FP8Meta
@@ -30,7 +35,7 @@ __all__ = ["MultiheadAttention", "to_fp8_attention"]
 _Q, _K, _V, _OUT = 0, 1, 2, 3
 
 
-class MultiheadAttention(nn.MultiheadAttention):
+class MultiheadAttention(RunCacheOwner, nn.MultiheadAttention):
     """Drop-in ``torch.nn.MultiheadAttention`` whose four projections run in FP8 in autocast.
 
     Args: those of ``torch.nn.MultiheadAttention`` (``embed_dim, num_heads, dropout, bias,

@@ -25,6 +25,7 @@ from torch import nn
 
 from fp8kit.torch.linear import (
     InitMethod,
+    RunCacheOwner,
     cached_fp8_weights,
     check_bool,
     check_features,
@@ -93,7 +94,7 @@ def activate(h: torch.Tensor, kind: str) -> torch.Tensor:
     return F.silu(a) * b
 
 
-class _FP8Block(nn.Module):
+class _FP8Block(RunCacheOwner, nn.Module):
     """Base of the blocks: owns ``fp8_meta`` and the per-GEMM FP8 weight cache.
 
     Subclasses set :attr:`fp8_gemm_names` (one name per GEMM, used by the inspector) and call

@@ -42,6 +42,7 @@ from fp8kit.torch.state import (
 __all__ = [
     "InitMethod",
     "Linear",
+    "RunCacheOwner",
     "cached_fp8_weights",
     "check_init_method",
     "check_is_first_microbatch",
@@ -52,6 +53,24 @@ __all__ = [
     "resolve_params_dtype",
     "torch_autocast_dtype",
 ]
+
+
+class RunCacheOwner:
+    """Mixin of the FP8 modules that keep a ``_run_cache`` (:func:`prepare_run`): a copy made
+    by ``copy.deepcopy``, pickling or ``torch.save(module)`` starts with an empty cache.
+
+    The cache holds the last autocast's settings, including its recipe (whose callables may be
+    lambdas) and amax reduction group (a ``ProcessGroup``): neither pickles, and neither belongs
+    to the copy, which binds its own on its first call (docs/decisions/0246-review-fixes.md).
+    Put it before the ``nn.Module`` base.
+    """
+
+    _run_cache: dict[str, Any]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_run_cache"] = {}
+        return state
 
 
 def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> FP8Run:
@@ -491,7 +510,7 @@ def fp8_linear(
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-class Linear(nn.Linear):
+class Linear(RunCacheOwner, nn.Linear):
     """Drop-in replacement for ``torch.nn.Linear`` that runs in FP8 inside ``f8.autocast``.
 
     Args:

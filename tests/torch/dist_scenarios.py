@@ -8,8 +8,10 @@ per-rank results against independent references. Each scenario uses its own reci
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
+import io
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -574,7 +576,39 @@ def scenario_example(rank: int, world: int, workdir: str) -> dict[str, Any]:
     return losses
 
 
+def scenario_copy_with_group(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """deepcopy and torch.save of modules that ran under an explicit amax_reduction_group (a
+    ProcessGroup, which does not pickle); the copies then step like the originals."""
+    group = dist.new_group(list(range(world)))
+    recipe = _recipe(3)
+    out: dict[str, Any] = {}
+    for kind in ("Linear", "LayerNormMLP", "MultiheadAttention"):
+        torch.manual_seed(0)
+        module = {
+            "Linear": lambda: f8.Linear(16, 16),
+            "LayerNormMLP": lambda: f8.LayerNormMLP(16, 32),
+            "MultiheadAttention": lambda: f8.MultiheadAttention(16, 2),
+        }[kind]()
+
+        def step(m: nn.Module, amax: float) -> list:
+            x = _x(amax, rows=4).reshape(2, 2, 16)
+            with f8.autocast(recipe=recipe, amax_reduction_group=group):
+                y = m(x, x, x)[0] if isinstance(m, nn.MultiheadAttention) else m(x)
+            y.sum().backward()
+            return y.detach().tolist()
+
+        step(module, 2.0 + rank)
+        buf = io.BytesIO()
+        torch.save(module, buf)
+        buf.seek(0)
+        copies = [copy.deepcopy(module), torch.load(buf, weights_only=False)]
+        expected = (step(module, 3.0 + rank), _meta(module))
+        out[kind] = [(step(c, 3.0 + rank), _meta(c)) == expected for c in copies]
+    return out
+
+
 SCENARIOS_2 = [
+    scenario_copy_with_group,
     scenario_spec14,
     scenario_collective_count,
     scenario_moe,

@@ -3,6 +3,7 @@ resume."""
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import warnings
@@ -324,3 +325,40 @@ def test_partly_missing_fp8_state_still_fails_a_strict_load() -> None:
     del sd["0.fp8_meta.forward.amax_history"]
     with pytest.raises(RuntimeError, match=r"0\.fp8_meta\.forward\.amax_history"):
         converted.load_state_dict(sd, strict=True)
+
+
+def _whole_module_copies(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``copy.deepcopy`` and a ``torch.save(module)`` / ``torch.load`` round trip."""
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return [copy.deepcopy(module), torch.load(buf, weights_only=False)]
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP", "MultiheadAttention"])
+def test_a_trained_module_copies_and_pickles_whole_under_a_lambda_recipe(kind: str) -> None:
+    """The module's per-run cache (the recipe, with its lambda) is not part of a copy: deepcopy
+    and ``torch.save(module)`` work after a step, and the copies train on bit-identically."""
+    recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=lambda h: h.amax(0))
+    torch.manual_seed(0)
+    module = {
+        "Linear": lambda: f8.Linear(16, 16),
+        "LayerNormMLP": lambda: f8.LayerNormMLP(16, 32),
+        "MultiheadAttention": lambda: f8.MultiheadAttention(16, 2),
+    }[kind]()
+
+    def step(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with f8.autocast(recipe=recipe):
+            y = m(x, x, x)[0] if kind == "MultiheadAttention" else m(x)
+        y.square().sum().backward()
+        return y.detach()
+
+    x = torch.randn(4, 2, 16) * 3
+    step(module, x)
+    copies = _whole_module_copies(module)
+    expected = step(module, x * 2)
+    for c in copies:
+        assert torch.equal(step(c, x * 2), expected)
+        for name, t in module.state_dict().items():
+            if isinstance(t, torch.Tensor):
+                assert torch.equal(t, c.state_dict()[name]), name

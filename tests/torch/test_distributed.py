@@ -279,6 +279,11 @@ def test_ddp_without_reduction_keeps_rank_states(two: list) -> None:
     assert per_rank[0]["run"][1]["states"] != per_rank[1]["run"][1]["states"]
 
 
+def test_modules_copy_and_pickle_after_a_step_with_a_reduction_group(two: list) -> None:
+    for res in scenario_result(two, "scenario_copy_with_group"):
+        assert res == {k: [True, True] for k in ("Linear", "LayerNormMLP", "MultiheadAttention")}
+
+
 def test_checkpoint_any_rank_resumes_every_rank(two: list) -> None:
     per_rank = scenario_result(two, "scenario_checkpoint_resume")
     for res in per_rank:
