@@ -23,6 +23,7 @@ from fp8kit.torch.linear import (
     fp8_linear,
     fp8_run_for,
     resolve_params_dtype,
+    torch_autocast_dtype,
 )
 from fp8kit.torch.quantization import check_high_precision
 from fp8kit.torch.quantizer import FP8Run
@@ -129,19 +130,27 @@ class MultiheadAttention(RunCacheOwner, nn.MultiheadAttention):
         key_padding_mask: torch.Tensor | None,
         attn_mask: torch.Tensor | None,
     ) -> None:
-        """Shapes and dtypes of an FP8 call, checked before any GEMM (ValueError / TypeError)."""
+        """Shapes and dtypes of an FP8 call, checked before any GEMM (ValueError / TypeError).
+
+        As in PyTorch: under ``torch.autocast`` query, key and value may differ in dtype (each
+        projection runs in the autocast dtype); a float mask may be float32 or the dtype the
+        attention runs in (:func:`_attention_dtype`), and is cast to the latter.
+        """
+        autocast_dtype = torch_autocast_dtype(query)
         for name, t in (("query", query), ("key", key), ("value", value)):
             check_high_precision(t, name)
-            if t.dtype != query.dtype:
+            if autocast_dtype is None and t.dtype != query.dtype:
                 raise TypeError(
                     f"{name} must have query's dtype {query.dtype}, got {t.dtype}: cast the "
-                    "inputs to one dtype"
+                    "inputs to one dtype (or run under torch.autocast)"
                 )
+        dtype = _attention_dtype(query)
+        allowed = sorted({str(d) for d in (torch.bool, torch.float32, dtype)})
         for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
-            if mask is not None and mask.dtype not in (torch.bool, query.dtype):
+            if mask is not None and mask.dtype not in (torch.bool, torch.float32, dtype):
                 raise TypeError(
-                    f"{name} must be a bool mask or a float mask of query's dtype {query.dtype}, "
-                    f"got {mask.dtype}"
+                    f"{name} must be a bool mask or a float mask of dtype torch.float32 or the "
+                    f"attention's dtype {dtype} (one of {allowed}), got {mask.dtype}"
                 )
         if query.dim() not in (2, 3):
             raise ValueError(
@@ -235,20 +244,27 @@ class MultiheadAttention(RunCacheOwner, nn.MultiheadAttention):
                 value = key
         tgt_len, bsz, embed_dim = query.shape
         heads, head_dim = self.num_heads, self.head_dim
-        key_padding_mask = F._canonical_mask(
-            mask=key_padding_mask,
-            mask_name="key_padding_mask",
-            other_type=F._none_or_dtype(attn_mask),
-            other_name="attn_mask",
-            target_type=query.dtype,
+        dtype = _attention_dtype(query)
+        key_padding_mask = _mask_in(
+            dtype,
+            F._canonical_mask(
+                mask=key_padding_mask,
+                mask_name="key_padding_mask",
+                other_type=F._none_or_dtype(attn_mask),
+                other_name="attn_mask",
+                target_type=dtype,
+            ),
         )
-        attn_mask = F._canonical_mask(
-            mask=attn_mask,
-            mask_name="attn_mask",
-            other_type=None,
-            other_name="",
-            target_type=query.dtype,
-            check_other=False,
+        attn_mask = _mask_in(
+            dtype,
+            F._canonical_mask(
+                mask=attn_mask,
+                mask_name="attn_mask",
+                other_type=None,
+                other_name="",
+                target_type=dtype,
+                check_other=False,
+            ),
         )
         if is_causal and attn_mask is None:
             raise RuntimeError(
@@ -316,6 +332,18 @@ class MultiheadAttention(RunCacheOwner, nn.MultiheadAttention):
         if self.batch_first:
             out = out.transpose(0, 1)
         return out, weights
+
+
+def _attention_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype the projections write and the attention core runs in: the ``torch.autocast``
+    dtype where one is active for ``query``'s device, else ``query``'s dtype."""
+    return torch_autocast_dtype(query) or query.dtype
+
+
+def _mask_in(dtype: torch.dtype, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A canonical (float) mask in ``dtype``, as ``scaled_dot_product_attention`` casts a float
+    mask to the query's dtype: scores and weights then stay in ``dtype``."""
+    return None if mask is None else mask.to(dtype)
 
 
 def to_fp8_attention(old: nn.MultiheadAttention) -> MultiheadAttention:

@@ -245,6 +245,48 @@ def test_bad_masks_and_dtypes_in_autocast_name_the_argument() -> None:
     assert fp8.fp8_meta.forward.amax_history.abs().sum() == 0  # nothing ran
 
 
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_mixed_dtypes_match_pytorch_under_torch_autocast(need_weights) -> None:
+    """Under ``torch.autocast`` PyTorch's attention takes float32 queries with bfloat16 keys and
+    values and a float32 float mask (``generate_square_subsequent_mask``), and its outputs and
+    weights come out in the autocast dtype: so do fp8kit's."""
+    stock, fp8 = _pair({"batch_first": True})
+    q, k, v = _inputs({"batch_first": True}, False)
+    k, v = k.bfloat16(), v.bfloat16()
+    masks = {
+        "causal": {"attn_mask": torch.zeros(L, S).masked_fill(torch.ones(L, S).triu(1) > 0, -1e4)},
+        "float-padding": _masks(False)["float_attn+padding"],
+    }
+    for name, mask in masks.items():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want, want_w = stock(q, k, v, need_weights=need_weights, **mask)
+            with f8.autocast(recipe=HIGH):
+                got, got_w = fp8(q, k, v, need_weights=need_weights, **mask)
+        assert got.dtype == want.dtype == torch.bfloat16, name
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=name)
+        if need_weights:
+            assert got_w.dtype == want_w.dtype == torch.bfloat16, name
+            torch.testing.assert_close(got_w, want_w, rtol=2e-2, atol=1e-2, msg=name)
+
+
+def test_a_bfloat16_model_takes_a_float32_causal_mask() -> None:
+    """A bfloat16 encoder with ``nn.Transformer.generate_square_subsequent_mask`` (float32):
+    PyTorch's attention takes it (scaled_dot_product_attention casts a float mask to the
+    query's dtype); fp8kit casts it the same way, with or without the weights."""
+    stock, fp8 = _pair({"batch_first": True})
+    stock.bfloat16(), fp8.bfloat16()
+    q = torch.randn(N, L, E, dtype=torch.bfloat16)
+    causal = nn.Transformer.generate_square_subsequent_mask(L)
+    want, _ = stock(q, q, q, attn_mask=causal, need_weights=False)
+    with f8.autocast(recipe=HIGH):
+        got, _ = fp8(q, q, q, attn_mask=causal, need_weights=False)
+        got_with_weights, weights = fp8(q, q, q, attn_mask=causal)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_with_weights, want, rtol=2e-2, atol=2e-2)
+    assert weights.dtype == torch.bfloat16
+    assert (weights.triu(1) == 0).all()
+
+
 def test_params_dtype_is_te_spelling_of_dtype() -> None:
     mha = f8.MultiheadAttention(E, H, kdim=24, vdim=16, params_dtype=torch.bfloat16)
     assert {p.dtype for p in mha.parameters()} == {torch.bfloat16}
