@@ -215,8 +215,12 @@ def cached_fp8_weights(
     section 4).
 
     None: nothing cached (every call quantizes and records). True: quantize now, record, and keep
-    in ``cache`` (updated in place). False: reuse ``cache`` without recording.
+    in ``cache`` (updated in place). False: reuse ``cache`` without recording. A calibration-only
+    run (``run.fp8`` False) uses no FP8 weight: it leaves ``cache`` alone and every call records
+    the weight's amax, whatever ``is_first_microbatch`` says.
     """
+    if not run.fp8:
+        return [None] * len(weights)
     if is_first_microbatch is None:
         if cache.count(None) != len(cache):  # written only when it held weights: a traced
             cache[:] = [None] * len(weights)  # call then has no Python side effect here
@@ -567,15 +571,18 @@ class Linear(RunCacheOwner, nn.Linear):
             self._weight_cache = [None]
 
     def forward(  # type: ignore[override]
-        self, x: torch.Tensor, is_first_microbatch: bool | None = None
+        self, input: torch.Tensor, is_first_microbatch: bool | None = None
     ) -> torch.Tensor:
+        """``input @ weight.T + bias``, ``(..., in_features) -> (..., out_features)``: FP8 GEMMs
+        inside an enabled ``f8.autocast``, ``nn.Linear`` outside (the argument keeps
+        ``nn.Linear``'s name, so ``layer(input=x)`` works for both)."""
         check_is_first_microbatch(is_first_microbatch)
-        run = fp8_run_for(self, x, self.in_features, self.weight)
+        run = fp8_run_for(self, input, self.in_features, self.weight)
         if run is None:
-            return super().forward(x)
+            return super().forward(input)
         (cached,) = cached_fp8_weights(run, is_first_microbatch, [self.weight], self._weight_cache)
         return fp8_linear(
-            x,
+            input,
             self.weight,
             self.bias,
             run,

@@ -61,6 +61,27 @@ def test_calibration_without_fp8_computes_in_high_precision_and_records() -> Non
     assert fwd.amax_history[-1, INPUT].item() == np.float32(_amax(x))
 
 
+@pytest.mark.parametrize("flags", [(False,), (True, False)], ids=["False", "True-False"])
+def test_calibration_without_fp8_ignores_the_weight_cache(flags: tuple[bool, ...]) -> None:
+    """No FP8 weight is used in a calibration-only region, so ``is_first_microbatch`` caches
+    nothing there and ``False`` on a fresh module is no error: every call computes in high
+    precision and records the weight's amax."""
+    torch.manual_seed(1)
+    layer = f8.Linear(32, 16)
+    x = torch.randn(8, 32) * 5
+    recipe = DelayedScaling(amax_history_len=4)
+    with torch.no_grad(), f8.autocast(enabled=False, calibrating=True, recipe=recipe):
+        for flag in flags:
+            y = layer(x, is_first_microbatch=flag)
+            assert torch.equal(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
+        assert layer.fp8_meta.forward.amax_history[0, WEIGHT].item() == np.float32(
+            _amax(layer.weight)
+        )
+    assert layer._weight_cache == [None]
+    with f8.autocast(recipe=recipe), pytest.raises(ValueError, match="is_first_microbatch=True"):
+        layer(x, is_first_microbatch=False)  # FP8 now: nothing was cached for it to reuse
+
+
 def test_calibrated_scales_then_drive_fp8_inference() -> None:
     torch.manual_seed(2)
     block = f8.LayerNormMLP(32, 64)

@@ -276,6 +276,10 @@ def test_outside_autocast_it_is_nn_linear() -> None:
     with f8.autocast(enabled=False):
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     assert layer.fp8_meta.forward.amax_history.abs().sum().item() == 0
+    # nn.Linear's argument name, in and outside FP8
+    assert torch.equal(layer(input=x), layer(x))
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=2)):
+        assert torch.equal(layer(input=x), layer(x))
 
 
 def test_bad_input() -> None:
