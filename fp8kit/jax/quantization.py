@@ -79,7 +79,8 @@ def check_high_precision(x: Any, name: str = "x") -> jax.Array:
     dt = np.dtype(x.dtype)
     if not jnp.issubdtype(dt, jnp.floating) or dt.name in FORMATS_BY_NAME:
         raise TypeError(
-            f"{name} must have a high-precision float dtype (float32, bfloat16, float16), got {dt}"
+            f"{name} must have a high-precision float dtype (float16, bfloat16, float32, "
+            f"float64), got {dt}"
         )
     return jnp.asarray(x)
 

@@ -104,7 +104,7 @@ class _Fp8LayerMixin:
         if dtype in FP8_DTYPE_NAMES or "float" not in dtype:
             raise TypeError(
                 f"{type(self).__name__} {self.name!r}: inputs must have a high-precision float "  # type: ignore[attr-defined]
-                f"dtype (float32, bfloat16, float16), got {dtype}"
+                f"dtype (float16, bfloat16, float32, float64), got {dtype}"
             )
         if not _is_training_flag(training):
             raise TypeError(
