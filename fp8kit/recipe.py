@@ -154,7 +154,7 @@ class _RecipeBase:
             elif isinstance(value, tuple):
                 value = list(value)
             elif callable(value):
-                value = {"callable": f"{value.__module__}:{value.__qualname__}"}
+                value = {"callable": callable_name(value)}
             out[f.name] = value
         return out
 
@@ -304,7 +304,7 @@ def check_rebuildable(recipe: Recipe, where: str) -> None:
         value = getattr(recipe, f.name)
         if not callable(value) or isinstance(value, Format):
             continue
-        spec = {"callable": f"{value.__module__}:{value.__qualname__}"}
+        spec = {"callable": callable_name(value)}
         try:
             found = _resolve_callable(f.name, spec)
         except ValueError:
@@ -314,6 +314,15 @@ def check_rebuildable(recipe: Recipe, where: str) -> None:
                 f"{where}: recipe.{f.name} is {spec['callable']!r}, which a saved config cannot "
                 "name (a lambda or a nested function); use a function defined at module level"
             )
+
+
+def callable_name(value: Callable[..., Any]) -> str:
+    """``"module:qualname"`` of a recipe callable; an object without those names (a
+    ``functools.partial``, an instance with ``__call__``) is named by its type, which
+    :func:`recipe_from_dict` cannot rebuild it from (:func:`check_rebuildable` says so)."""
+    module = getattr(value, "__module__", None) or type(value).__module__
+    qualname = getattr(value, "__qualname__", None) or type(value).__qualname__
+    return f"{module}:{qualname}"
 
 
 def recipe_from_dict(data: dict[str, Any]) -> Recipe:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 import pickle
@@ -206,6 +207,29 @@ def test_callables_serialise_by_name_and_resolve_only_loaded_modules() -> None:
         recipe_from_dict(data)
     with pytest.raises(ValueError, match="type"):
         recipe_from_dict({"type": "Pickle"})
+
+
+class _ColumnMax:
+    """A callable object (no ``__qualname__`` of its own), as an amax algorithm."""
+
+    def __call__(self, history: np.ndarray) -> np.ndarray:
+        return history.max(0)
+
+
+@pytest.mark.parametrize(
+    "algo",
+    [functools.partial(custom_amax), _ColumnMax()],
+    ids=["functools.partial", "callable-object"],
+)
+def test_callables_without_a_qualname_serialise_by_their_type(algo: object) -> None:
+    """A ``functools.partial`` or a callable object is a valid algorithm: the recipe describes
+    it by its type (it raised AttributeError on ``__qualname__``), and a saved config refuses
+    it as it refuses a lambda, since no name rebuilds it."""
+    recipe = DelayedScaling(amax_compute_algo=algo)
+    name = type(algo).__module__ + ":" + type(algo).__qualname__
+    assert json.loads(json.dumps(recipe.to_dict()))["amax_compute_algo"] == {"callable": name}
+    with pytest.raises(ValueError, match=r"layer x: recipe\.amax_compute_algo is"):
+        check_rebuildable(recipe, "layer x")
 
 
 def test_check_rebuildable_refuses_callables_a_config_cannot_name() -> None:
