@@ -75,9 +75,12 @@ def note_cast(state: ScalingState, first_step: bool) -> None:
 def warn_if_recomputed_without_fp8(module: torch.nn.Module, ran_in_fp8: bool) -> None:
     """Warn when an FP8 module that has run under an autocast (``ran_in_fp8``) now runs without
     one, with grad enabled, inside a backward pass: the recomputation of a plain (reentrant)
-    ``torch.utils.checkpoint``, which runs it in high precision instead of the forward's FP8."""
+    ``torch.utils.checkpoint``, which runs it in high precision instead of the forward's FP8.
+    A recomputation of :func:`activation_checkpoint` (``active_replay()``) runs as its forward
+    did, so a forward without FP8 is recomputed without FP8, and without a warning."""
     if (
         ran_in_fp8
+        and active_replay() is None
         and torch.is_grad_enabled()
         and not torch.compiler.is_compiling()  # a trace cannot ask the engine (a graph break)
         and torch._C._current_graph_task_id() != -1

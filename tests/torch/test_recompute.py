@@ -232,6 +232,21 @@ def test_a_region_run_without_fp8_is_recomputed_without_fp8() -> None:
     assert all(int(t.abs().sum()) == 0 for n, t in model.state_dict().items() if "amax" in n)
 
 
+def test_a_high_precision_step_after_fp8_steps_recomputes_without_a_warning() -> None:
+    """The warning about plain ``torch.utils.checkpoint`` is not for f8.activation_checkpoint:
+    a step without FP8 after FP8 steps (a module that has run in FP8) recomputes quietly."""
+    model = _model()
+    x = _inputs(1).requires_grad_()
+    with f8.autocast(recipe=RECIPES["delayed"]):
+        y = f8.activation_checkpoint(model, x)
+    y.sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f8.activation_checkpoint(model, x).sum().backward()
+        with f8.autocast(enabled=False):
+            f8.activation_checkpoint(model, x).sum().backward()
+
+
 def test_calibration_is_recomputed_without_recording_again() -> None:
     recipe = RECIPES["delayed"]
 
