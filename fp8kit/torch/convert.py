@@ -69,9 +69,15 @@ _HOOK_DICTS = (
 
 
 def _carry_over(old: nn.Module, new: nn.Module) -> None:
-    """Give ``new`` the hooks and the extra attributes ``old`` carries, so conversion loses
-    nothing a user attached. A registry ``new`` has no hook in is shared with ``old`` (the
-    handles returned at registration still remove the hooks)."""
+    """Give ``new`` the hooks, the extra parameters, buffers and submodules and the extra
+    attributes ``old`` carries, so conversion loses nothing a user attached. A registry ``new``
+    has no hook in is shared with ``old`` (the handles returned at registration still remove
+    the hooks)."""
+    for registry in ("_parameters", "_buffers", "_modules"):
+        mine = new.__dict__[registry]
+        for key, value in old.__dict__[registry].items():
+            mine.setdefault(key, value)
+    new._non_persistent_buffers_set |= old._non_persistent_buffers_set
     for name in _HOOK_DICTS:
         hooks = old.__dict__.get(name)
         if not hooks:
@@ -119,6 +125,32 @@ def _weight_dtype(module: nn.Module) -> torch.dtype:
     return weight.dtype  # type: ignore[union-attr, return-value]
 
 
+def _parameter_names(module: nn.Module) -> tuple[str, ...]:
+    """The weight and bias attributes the FP8 module takes over (dotted below ``module``)."""
+    if isinstance(module, nn.MultiheadAttention):
+        return (
+            "in_proj_weight",
+            "q_proj_weight",
+            "k_proj_weight",
+            "v_proj_weight",
+            "in_proj_bias",
+            "bias_k",
+            "bias_v",
+            "out_proj.weight",
+            "out_proj.bias",
+        )
+    return ("weight", "bias")
+
+
+def _computed_by_a_hook(module: nn.Module, dotted: str) -> bool:
+    """Whether ``module``'s attribute ``dotted`` holds a tensor that is not a registered
+    Parameter (a pruning or weight-norm hook writes a plain tensor there before each call)."""
+    owner_name, _, name = dotted.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    value = getattr(owner, name, None)
+    return isinstance(value, torch.Tensor) and owner._parameters.get(name) is not value
+
+
 def _skip_reason(
     module: nn.Module, fqn: str, patterns: tuple[str, ...], module_filter: ModuleFilter | None
 ) -> str | None:
@@ -128,6 +160,17 @@ def _skip_reason(
     if type(module) not in (nn.Linear, nn.MultiheadAttention):
         base = "Linear" if isinstance(module, nn.Linear) else "MultiheadAttention"
         return f"a {type(module).__name__}, not exactly torch.nn.{base} (its forward may differ)"
+    if "forward" in module.__dict__:
+        return (
+            "its forward is replaced on the instance (accelerate's hooks do that): the FP8 "
+            "module would run that forward, not FP8 GEMMs"
+        )
+    computed = [name for name in _parameter_names(module) if _computed_by_a_hook(module, name)]
+    if computed:
+        return (
+            f"{computed[0]} is computed by a hook, not a Parameter (pruning, weight_norm, "
+            "spectral_norm): FP8 GEMMs would bypass it"
+        )
     matched = [p for p in patterns if fnmatch.fnmatchcase(fqn, p)]
     if matched:
         return f"keep_high_precision pattern {matched[0]!r}"
@@ -198,35 +241,37 @@ def convert_model(
     converted: list[str] = []
     left: list[str] = []
     reasons: dict[str, str] = {}
-    replacements: dict[int, nn.Module] = {}  # id(old module) -> its FP8 module (shared modules)
-    # Every (parent, name, child) edge, shared modules included, collected before any change.
+    # Every (parent, name, child) edge to a Linear-like or attention module, shared modules
+    # included, collected and decided before any change: a module reached by several paths is
+    # kept in high precision if any path keeps it (one module, one decision).
+    inside_attention = {id(m) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
     edges = [
-        (fqn, parent, name, child)
+        (f"{fqn}.{name}" if fqn else name, parent, name, child)
         for fqn, parent in model.named_modules(remove_duplicate=False)
+        if id(parent) not in inside_attention  # an attention's out_proj runs inside it
         for name, child in parent._modules.items()
-        if child is not None
+        if isinstance(child, (nn.Linear, nn.MultiheadAttention))
     ]
     order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules(remove_duplicate=False))}
-    inside_attention = {id(m) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
-    for fqn, parent, name, child in edges:
-        if id(parent) in inside_attention:
-            continue  # an attention's out_proj runs inside the (FP8) attention itself
-        if not isinstance(child, (nn.Linear, nn.MultiheadAttention)):
-            continue
-        child_fqn = f"{fqn}.{name}" if fqn else name
-        if id(child) in replacements:  # a second path to a module converted already
-            setattr(parent, name, replacements[id(child)])
-            converted.append(child_fqn)
-            continue
+    kept: dict[int, tuple[str, str]] = {}  # id(module) -> (path, reason) of its first keeper
+    for child_fqn, _, _, child in edges:
         reason = _skip_reason(child, child_fqn, patterns, module_filter)
-        if reason is None:
-            new = _to_fp8(child)
-            replacements[id(child)] = new
-            setattr(parent, name, new)
-            converted.append(child_fqn)
-        elif child_fqn not in reasons:
-            left.append(child_fqn)
-            reasons[child_fqn] = reason
+        if reason is not None:
+            kept.setdefault(id(child), (child_fqn, reason))
+    replacements: dict[int, nn.Module] = {}  # id(old module) -> its FP8 module (shared modules)
+    # Deepest edges first: a Linear registered inside a Linear is replaced before its parent's
+    # submodules are carried over to the parent's FP8 module.
+    for child_fqn, parent, name, child in reversed(edges):
+        if id(child) in kept:
+            first, reason = kept[id(child)]
+            if child_fqn not in reasons:
+                left.append(child_fqn)
+                reasons[child_fqn] = reason if first == child_fqn else f"as {first}: {reason}"
+            continue
+        if id(child) not in replacements:
+            replacements[id(child)] = _to_fp8(child)
+        setattr(parent, name, replacements[id(child)])
+        converted.append(child_fqn)
     converted.sort(key=order.__getitem__)
     left.sort(key=order.__getitem__)
     logger.info(

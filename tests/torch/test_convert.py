@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from copy import deepcopy
 
 import pytest
 import torch
+import torch.nn.utils.prune
 from torch import nn
 
 import fp8kit.torch as f8
@@ -256,3 +258,57 @@ def test_keep_high_precision_takes_any_collection_of_patterns() -> None:
     assert type(model.lm_head) is nn.Linear and type(model.classifier) is nn.Linear
     with pytest.raises(TypeError, match=r"keep_high_precision must be None.*got b'lm_head'"):
         f8.convert_model(Net(), keep_high_precision=b"lm_head")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "hooked",
+    [
+        lambda m: nn.utils.prune.l1_unstructured(m, "weight", 0.5),
+        lambda m: nn.utils.spectral_norm(m),
+        lambda m: setattr(m, "forward", functools.partial(nn.Linear.forward, m)),
+    ],
+    ids=["pruned", "spectral-norm", "instance-forward"],
+)
+def test_a_linear_whose_forward_or_weight_is_rewired_is_left_and_said_so(hooked, caplog) -> None:
+    """A Linear whose weight a hook computes (pruning, spectral norm) or whose ``forward`` is
+    replaced on the instance (accelerate's hooks) would bypass that in FP8 (or fail to convert
+    half-way): it is left in high precision with the reason, and the rest converts."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    hooked(model[1])
+    with caplog.at_level("INFO", logger="fp8kit"):
+        f8.convert_model(model)
+    assert isinstance(model[0], f8.Linear)
+    assert type(model[1]) is nn.Linear
+    assert "left 1 Linear-like or attention module(s) in high precision: 1 (" in caplog.text
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=2)):
+        model(torch.randn(4, 8)).sum().backward()
+
+
+def test_parameters_buffers_and_submodules_registered_on_a_linear_carry_over() -> None:
+    linear = nn.Linear(8, 8)
+    linear.scale = nn.Parameter(torch.full((8,), 2.0))
+    linear.register_buffer("ema", torch.arange(8.0))
+    linear.register_buffer("scratch", torch.zeros(2), persistent=False)
+    linear.adapter = nn.Linear(8, 2)
+    model = f8.convert_model(nn.Sequential(linear))
+    fp8 = model[0]
+    assert isinstance(fp8, f8.Linear)
+    assert fp8.scale is linear.scale and fp8.ema is linear.ema and fp8.adapter is linear.adapter
+    assert isinstance(fp8.adapter, f8.Linear)  # a Linear inside is converted as any other
+    keys = set(model.state_dict())
+    assert {"0.scale", "0.ema", "0.adapter.weight"} <= keys and "0.scratch" not in keys
+    assert any(p is linear.scale for p in model.parameters())
+
+
+def test_a_shared_module_keeps_one_decision_over_all_its_paths() -> None:
+    """keep_high_precision or module_filter on any path to a shared module keeps it: one module,
+    in high precision (it was split into an FP8 and a plain module before)."""
+    for kwargs in (
+        {"keep_high_precision": "a"},
+        {"keep_high_precision": "b"},
+        {"module_filter": lambda module, fqn: fqn != "b"},
+    ):
+        shared = nn.Linear(8, 8)
+        model = nn.ModuleDict({"a": shared, "b": shared})
+        f8.convert_model(model, **kwargs)
+        assert model["a"] is shared and model["b"] is shared, kwargs
