@@ -11,7 +11,6 @@ dropout and the returned weights follow PyTorch's definitions (docs/te_modules.m
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +18,7 @@ from torch import nn
 
 from fp8kit.torch.autocast import current_settings
 from fp8kit.torch.linear import (
-    RunCacheOwner,
+    FP8StateOwner,
     fp8_linear,
     fp8_run_for,
     resolve_params_dtype,
@@ -36,7 +35,7 @@ __all__ = ["MultiheadAttention", "to_fp8_attention"]
 _Q, _K, _V, _OUT = 0, 1, 2, 3
 
 
-class MultiheadAttention(RunCacheOwner, nn.MultiheadAttention):
+class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
     """Drop-in ``torch.nn.MultiheadAttention`` whose four projections run in FP8 in autocast.
 
     Args: those of ``torch.nn.MultiheadAttention`` (``embed_dim, num_heads, dropout, bias,
@@ -78,7 +77,7 @@ class MultiheadAttention(RunCacheOwner, nn.MultiheadAttention):
             dtype=dtype,
         )
         self.fp8_meta = FP8Meta(num_gemms=4, device=device, label="MultiheadAttention")
-        self._run_cache: dict[str, Any] = {}
+        self._init_fp8_owner()
 
     def forward(  # type: ignore[override]
         self,

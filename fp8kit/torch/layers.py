@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8kit.torch.linear import (
+    FP8StateOwner,
     InitMethod,
-    RunCacheOwner,
     cached_fp8_weights,
     check_bool,
     check_features,
@@ -94,7 +94,7 @@ def activate(h: torch.Tensor, kind: str) -> torch.Tensor:
     return F.silu(a) * b
 
 
-class _FP8Block(RunCacheOwner, nn.Module):
+class _FP8Block(FP8StateOwner, nn.Module):
     """Base of the blocks: owns ``fp8_meta`` and the per-GEMM FP8 weight cache.
 
     Subclasses set :attr:`fp8_gemm_names` (one name per GEMM, used by the inspector) and call
@@ -108,7 +108,7 @@ class _FP8Block(RunCacheOwner, nn.Module):
             num_gemms=len(self.fp8_gemm_names), device=device, label=type(self).__name__
         )
         self._weight_cache: list[Float8Tensor | None] = [None] * len(self.fp8_gemm_names)
-        self._run_cache: dict[str, Any] = {}
+        self._init_fp8_owner()
 
     def _reset_norm(self) -> None:
         """Norm weight 1 and (LayerNorm) bias 0."""

@@ -40,9 +40,9 @@ from fp8kit.torch.state import (
 )
 
 __all__ = [
+    "FP8StateOwner",
     "InitMethod",
     "Linear",
-    "RunCacheOwner",
     "cached_fp8_weights",
     "check_init_method",
     "check_is_first_microbatch",
@@ -55,22 +55,43 @@ __all__ = [
 ]
 
 
-class RunCacheOwner:
-    """Mixin of the FP8 modules that keep a ``_run_cache`` (:func:`prepare_run`): a copy made
-    by ``copy.deepcopy``, pickling or ``torch.save(module)`` starts with an empty cache.
+class FP8StateOwner:
+    """Mixin of the modules that own an ``fp8_meta`` and a ``_run_cache`` (:func:`prepare_run`);
+    put it before the ``nn.Module`` base and call :meth:`_init_fp8_owner` after creating
+    ``fp8_meta``.
 
-    The cache holds the last autocast's settings, including its recipe (whose callables may be
-    lambdas) and amax reduction group (a ``ProcessGroup``): neither pickles, and neither belongs
-    to the copy, which binds its own on its first call (docs/decisions/0246-review-fixes.md).
-    Put it before the ``nn.Module`` base.
+    - A copy made by ``copy.deepcopy``, pickling or ``torch.save(module)`` starts with an empty
+      cache. The cache holds the last autocast's settings, including its recipe (whose callables
+      may be lambdas) and amax reduction group (a ``ProcessGroup``): neither pickles, and neither
+      belongs to the copy, which binds its own on its first call.
+    - A module built on ``meta`` and given its weights by ``load_state_dict(assign=True)`` from a
+      checkpoint without FP8 state gets fresh FP8 state on its weights' device (the state had no
+      memory, and the checkpoint none to assign). docs/decisions/0246-review-fixes.md.
     """
 
     _run_cache: dict[str, Any]
+    fp8_meta: FP8Meta
+
+    def _init_fp8_owner(self) -> None:
+        self._run_cache = {}
+        self.register_load_state_dict_post_hook(_fresh_fp8_state_beside_the_weights)  # type: ignore[attr-defined]
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_run_cache"] = {}
         return state
+
+
+def _fresh_fp8_state_beside_the_weights(module: nn.Module, incompatible: Any) -> None:
+    """Load-state-dict post hook of an :class:`FP8StateOwner` (it runs after ``fp8_meta``'s
+    own): FP8 state still on ``meta`` after its owner's parameters were assigned real tensors is
+    materialised, fresh, on their device."""
+    meta = module.fp8_meta
+    if not isinstance(meta, FP8Meta) or meta.forward.device.type != "meta":
+        return
+    device = next((p.device for p in module.parameters() if not p.is_meta), None)
+    if device is not None:
+        meta.to_empty(device=device)  # ScalingState._apply gives materialised buffers fresh values
 
 
 def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> FP8Run:
@@ -514,7 +535,7 @@ def fp8_linear(
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-class Linear(RunCacheOwner, nn.Linear):
+class Linear(FP8StateOwner, nn.Linear):
     """Drop-in replacement for ``torch.nn.Linear`` that runs in FP8 inside ``f8.autocast``.
 
     Args:
@@ -559,7 +580,7 @@ class Linear(RunCacheOwner, nn.Linear):
             num_gemms=1, device=device, label=f"Linear({in_features}, {out_features})"
         )
         self._weight_cache: list[Float8Tensor | None] = [None]
-        self._run_cache: dict[str, Any] = {}
+        self._init_fp8_owner()
 
     def reset_parameters(self) -> None:
         if self.__dict__.get("init_method") is None:  # also a module pickled before it existed

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling, recipe_from_dict
@@ -362,3 +363,24 @@ def test_a_trained_module_copies_and_pickles_whole_under_a_lambda_recipe(kind: s
         for name, t in module.state_dict().items():
             if isinstance(t, torch.Tensor):
                 assert torch.equal(t, c.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("converted", [True, False], ids=["convert_model", "f8.Linear"])
+def test_assign_load_of_a_plain_checkpoint_into_a_meta_model_gives_fresh_state(converted) -> None:
+    """The low-memory pattern (build on ``meta``, ``load_state_dict(assign=True)``) with a
+    checkpoint without FP8 state: the FP8 state starts fresh on the weights' device (it stayed
+    on ``meta`` and the first FP8 call failed)."""
+    plain = nn.Sequential(nn.Linear(32, 8))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(32, 8)) if converted else nn.Sequential(f8.Linear(32, 8))
+    if converted:
+        f8.convert_model(model)
+    model.load_state_dict(plain.state_dict(), assign=True)
+    state = model[0].fp8_meta.forward
+    assert state.amax_history.device.type == "cpu" and state.scale.tolist() == [1.0] * 3
+    assert not state.amax_history.any()
+    x = torch.randn(4, 32)
+    with f8.autocast(recipe=RECIPE):
+        y = model(x)
+    y.sum().backward()
+    assert state.update_count.tolist() == [1, 1, 0]
