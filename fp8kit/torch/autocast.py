@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -117,6 +118,11 @@ _events: dict[int, tuple[Recipe, Any]] = {}
 
 _event_keys_lock = threading.Lock()
 
+# A (recipe, group) keeps its key for good (compiled graphs name it by that integer). A program
+# that builds a recipe with a new callable each step (callables compare by identity) makes a new
+# key each step; every this many new keys it is told so.
+MANY_EVENT_KEYS = 64
+
 
 def _event_facts(recipe: Recipe, group: Any) -> tuple[RecipePlan, int]:
     """``(plan_for(recipe), event key of (recipe, group))``."""
@@ -128,6 +134,16 @@ def _event_facts(recipe: Recipe, group: Any) -> tuple[RecipePlan, int]:
                 key = len(_events) + 1
                 _events[key] = (recipe, group)
                 facts = _event_keys[(recipe, id(group))] = (plan_for(recipe), key)
+                if key % MANY_EVENT_KEYS == 0:
+                    warnings.warn(
+                        f"fp8kit: f8.autocast has now seen {key} distinct (recipe, "
+                        "amax_reduction_group) pairs. Recipes compare by value but their "
+                        "callables by identity, so a recipe built with a new lambda (or a new "
+                        "group) at each step is a new recipe at each step: fp8kit keeps every "
+                        "one and torch.compile recompiles for each. Build the recipe once.",
+                        UserWarning,
+                        stacklevel=4,
+                    )
     return facts
 
 

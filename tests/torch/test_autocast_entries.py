@@ -5,6 +5,7 @@ bodies. The numbers must be those of a fresh entry each time."""
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import warnings
 import weakref
@@ -116,3 +117,27 @@ def test_the_thread_queues_keep_no_state_alive_after_the_body() -> None:
     del layer
     gc.collect()
     assert forward() is None
+
+
+def test_a_new_callable_recipe_at_every_step_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each recipe with a new lambda is a new (recipe, group) key, kept for good: every
+    ``MANY_EVENT_KEYS`` new keys a warning names the cause; equal recipes make no new key."""
+    layer = f8.Linear(8, 8)
+    x = torch.randn(2, 8)
+    autocast = sys.modules["fp8kit.torch.autocast"]  # the module (f8.autocast is the context)
+    monkeypatch.setattr(autocast, "MANY_EVENT_KEYS", len(autocast._events) + 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):  # equal recipes: one key
+            with f8.autocast(recipe=DelayedScaling(amax_history_len=3, margin=0.3721)):
+                layer(x)  # a margin no other test uses: one new key
+        with f8.autocast(
+            recipe=DelayedScaling(amax_history_len=3, amax_compute_algo=lambda h: h.amax(0))
+        ):
+            layer(x)
+    recipe = DelayedScaling(amax_history_len=3, amax_compute_algo=lambda h: h.amax(0))
+    with (
+        pytest.warns(UserWarning, match="a recipe built with a new lambda"),
+        f8.autocast(recipe=recipe),
+    ):
+        layer(x)
