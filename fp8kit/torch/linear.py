@@ -148,7 +148,14 @@ def _new_run(meta: FP8Meta, settings: FP8Settings, training: bool) -> FP8Run:
 def resolve_params_dtype(
     dtype: torch.dtype | None, params_dtype: torch.dtype | None
 ) -> torch.dtype | None:
-    """``dtype``, or Transformer Engine's spelling ``params_dtype`` of the same argument."""
+    """``dtype``, or Transformer Engine's spelling ``params_dtype`` of the same argument: a
+    floating-point ``torch.dtype`` (parameters must be able to require gradients) or None."""
+    for name, value in (("dtype", dtype), ("params_dtype", params_dtype)):
+        if isinstance(value, torch.dtype) and (not value.is_floating_point or value.itemsize == 1):
+            raise TypeError(
+                f"{name} must be a floating-point torch.dtype for the parameters (float32, "
+                f"bfloat16 or float16 for FP8 GEMMs), got {value}"
+            )
     if params_dtype is None:
         return dtype
     if not isinstance(params_dtype, torch.dtype):

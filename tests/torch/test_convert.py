@@ -194,8 +194,9 @@ def test_bad_keep_high_precision_names_the_parameter(bad) -> None:
         lambda **kw: f8.Linear(16, 8, **kw),
         lambda **kw: f8.LayerNormLinear(16, 8, **kw),
         lambda **kw: f8.LayerNormMLP(16, 32, **kw),
+        lambda **kw: f8.TransformerLayer(16, 32, 2, **kw),
     ],
-    ids=["Linear", "LayerNormLinear", "LayerNormMLP"],
+    ids=["Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer"],
 )
 def test_params_dtype_is_te_spelling_of_dtype(make) -> None:
     module = make(params_dtype=torch.bfloat16)
@@ -206,6 +207,10 @@ def test_params_dtype_is_te_spelling_of_dtype(make) -> None:
         make(dtype=torch.float32, params_dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"params_dtype must be a torch\.dtype or None"):
         make(params_dtype="bf16")
+    for name in ("params_dtype", "dtype"):  # parameters that could never require gradients
+        for bad in (torch.int32, torch.float8_e4m3fn):
+            with pytest.raises(TypeError, match=rf"^{name} must be a floating-point torch\.dtype"):
+                make(**{name: bad})
 
 
 def test_linear_subclasses_are_left_and_said_so(caplog) -> None:
