@@ -180,14 +180,17 @@ def scenario_collective_count(rank: int, world: int, workdir: str) -> dict[str, 
 
 
 def _run_moe_steps(
-    rank: int, pattern: list[list[list[bool]]], amax_of: Callable[[int, int, int], float]
+    rank: int,
+    pattern: list[list[list[bool]]],
+    amax_of: Callable[[int, int, int], float],
+    recipe: DelayedScaling | None = None,
 ) -> dict[str, Any]:
     """A gate that always runs plus experts that run where ``pattern[step][rank][expert]``."""
     torch.manual_seed(0)
     n_experts = len(pattern[0][0])
     gate = f8.Linear(16, 16)
     experts = nn.ModuleList(f8.Linear(16, 16) for _ in range(n_experts))
-    recipe = _recipe(4)
+    recipe = recipe or _recipe(4)
     steps = []
     for step, ranks in enumerate(pattern):
         with f8.autocast(recipe=recipe):
@@ -225,6 +228,16 @@ MOE_PATTERN_4 = [
 def scenario_moe(rank: int, world: int, workdir: str) -> dict[str, Any]:
     pattern = MOE_PATTERN_2 if world == 2 else MOE_PATTERN_4
     return _run_moe_steps(rank, pattern, moe_amax)
+
+
+def _column_max(history: torch.Tensor) -> torch.Tensor:
+    return history.amax(0)
+
+
+def scenario_moe_callable(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """scenario_moe with the "max" rule as a callable: the callable path (slots that ran on
+    another rank only are found from the reduced row) must give the built-in's states."""
+    return _run_moe_steps(rank, MOE_PATTERN_2, moe_amax, _recipe(4, amax_compute_algo=_column_max))
 
 
 def scenario_mismatch_first_step(rank: int, world: int, workdir: str) -> dict[str, Any]:
@@ -612,6 +625,7 @@ SCENARIOS_2 = [
     scenario_spec14,
     scenario_collective_count,
     scenario_moe,
+    scenario_moe_callable,
     scenario_mismatch_first_step,
     scenario_mismatch_later_step,
     scenario_registry_changes,

@@ -158,6 +158,12 @@ def test_modules_skipped_on_some_ranks_two_ranks(two: list) -> None:
     _check_moe(scenario_result(two, "scenario_moe"), MOE_PATTERN_2)
 
 
+def test_a_callable_algorithm_with_modules_skipped_on_some_ranks_matches_the_builtin(
+    two: list,
+) -> None:
+    assert scenario_result(two, "scenario_moe_callable") == scenario_result(two, "scenario_moe")
+
+
 def test_modules_skipped_on_some_ranks_four_ranks(four: list) -> None:
     _check_moe(scenario_result(four, "scenario_moe"), MOE_PATTERN_4)
 
