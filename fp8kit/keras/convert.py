@@ -80,7 +80,8 @@ def convert_model(
             )
         else:
             new = layer.__class__.from_config(config)
-        pairs.append((layer, new))
+        if isinstance(layer, keras.layers.Layer):  # not an operation (``h + x``, keras.ops.relu)
+            pairs.append((layer, new))
         return new
 
     converted = keras.models.clone_model(model, clone_function=clone, recursive=True)

@@ -111,6 +111,15 @@ class _Fp8LayerMixin:
                 f"{type(self).__name__} {self.name!r}: training must be None, a bool or a 0-d "  # type: ignore[attr-defined]
                 f"boolean tensor, got {training!r}"
             )
+        try:
+            is_training = bool(training)
+        except TypeError:  # a symbolic tensor (tf.function argument, JAX tracer)
+            raise TypeError(
+                f"{type(self).__name__} {self.name!r}: training must be a Python bool or a "  # type: ignore[attr-defined]
+                "concrete tensor when an FP8 layer is traced: whether this call observes "
+                "amaxes for the next update is decided when the step is traced (pass the flag "
+                "as a Python value, as Model.fit does)"
+            ) from None
         self._refuse_lora()
         assert self._fp8_plan is not None and self.fp8_state is not None
         fp8_einsum = fp8_einsum_for_backend()
@@ -119,7 +128,7 @@ class _Fp8LayerMixin:
             self.fp8_state,
             inputs,
             kernel,
-            bool(training),
+            is_training,
             self.compute_dtype,  # type: ignore[attr-defined]
         )
 

@@ -251,6 +251,9 @@ def test_bad_input_raises_clear_errors(rng, tmp_path) -> None:
     with pytest.raises(TypeError, match="training must be None, a bool or a 0-d boolean tensor"):
         layer(tf.ones((2, 3)), training="False")  # was a training call
     layer(tf.ones((2, 3)), training=tf.constant(False))  # as Keras's own layers take it
+    traced = tf.function(lambda x, flag: layer(x, training=flag))
+    with pytest.raises(TypeError, match=r"training must be a Python bool or a concrete tensor"):
+        traced(tf.ones((2, 3)), tf.constant(False))  # symbolic: which step it is is not known
     # (FP8 inputs are cast to the compute dtype by Keras itself, exactly, before call())
     with pytest.raises(ValueError, match="cannot be combined with fp8kit's FP8 GEMM"):
         f8.Dense(4, dtype="float8_from_float32")(tf.ones((2, 3)))

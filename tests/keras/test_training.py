@@ -248,6 +248,19 @@ def test_lora_with_an_fp8_recipe_is_refused_by_name() -> None:
     assert plain_lora.lora_enabled
 
 
+def test_convert_model_takes_a_functional_model_with_keras_ops_on_tensors(rng) -> None:
+    """Operators and keras.ops calls on symbolic tensors (a residual ``h + relu(h)``) are
+    operations, not layers, in the model graph: they are cloned, and only layers swapped."""
+    keras.utils.set_random_seed(4)
+    inputs = keras.Input((12,))
+    h = keras.layers.Dense(8)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2)(h * 2.0 + keras.ops.relu(h)))
+    converted = f8.convert_model(model, recipe=None)
+    x = random_fp8_friendly(rng, (4, 12))
+    np.testing.assert_array_equal(converted(x).numpy(), model(x).numpy())
+    assert sum(isinstance(layer, f8.Dense) for layer in converted.layers) == 2
+
+
 def test_convert_model_swaps_dense_layers_and_keeps_weights(rng) -> None:
     keras.utils.set_random_seed(3)
     inputs = keras.Input((5, 12))
