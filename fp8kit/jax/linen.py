@@ -59,10 +59,17 @@ class _Fp8Layer(nn.Module):
             if recipe is UNSET or recipe is None:
                 return None, False
             if not mutable:
+                fix = (
+                    f"the collection is read-only in this init: inside nn.scan, nn.vmap or "
+                    f"another lifted transform, list it in variable_axes (e.g. "
+                    f"variable_axes={{'params': 0, {FP8_COLLECTION!r}: 0}})"
+                    if self.is_initializing()
+                    else f"pass the variables returned by init (or apply with "
+                    f"mutable=[{FP8_COLLECTION!r}] to create it)"
+                )
                 raise ValueError(
                     f"{self.__class__.__name__} {self._where()!r} has recipe {recipe} but the "
-                    f"variables hold no {FP8_COLLECTION!r} state for it: pass the variables "
-                    "returned by init (or apply with mutable=['fp8_meta'] to create it)"
+                    f"variables hold no {FP8_COLLECTION!r} state for it: {fix}"
                 )
             init_axes = None if axes is UNSET else axes
             var = self.variable(

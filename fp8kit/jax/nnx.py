@@ -8,7 +8,8 @@ apply the observations in place with :func:`update`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -39,7 +40,10 @@ class Linear(nnx.Module):
 
     Args:
         in_features, out_features, use_bias, dtype, param_dtype, precision, kernel_init,
-            bias_init, rngs: as ``flax.nnx.Linear``.
+            bias_init, rngs, kernel_metadata, bias_metadata: as ``flax.nnx.Linear`` (the
+            metadata, e.g. ``sharding_names``, goes to the ``nnx.Param``). Flax's
+            ``dot_general``, ``promote_dtype`` and ``preferred_element_type`` are not taken:
+            the FP8 GEMM is the dot_general.
         recipe: DelayedScaling / Float8CurrentScaling, None for high precision, or UNSET to
             take the :func:`fp8kit.jax.autocast` active at construction (high precision outside).
         amax_reduction_axes: mesh axes for the amax all-reduce under ``shard_map``.
@@ -62,6 +66,8 @@ class Linear(nnx.Module):
         fp8_output: bool = False,
         fp8_grad: bool = False,
         rngs: nnx.Rngs,
+        kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
     ) -> None:
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -69,14 +75,18 @@ class Linear(nnx.Module):
         recipe, axes = resolve_defaults(recipe, amax_reduction_axes)
         self.in_features = in_features
         self.out_features = out_features
+        self.use_bias = use_bias
         self.dtype = dtype
+        self.param_dtype = param_dtype
         self.precision = precision
         self.fp8_output = fp8_output
         self.fp8_grad = fp8_grad
         shape = (in_features, out_features)
-        self.kernel = nnx.Param(kernel_init(rngs.params(), shape, param_dtype))
+        self.kernel = nnx.Param(kernel_init(rngs.params(), shape, param_dtype), **kernel_metadata)
         self.bias = (
-            nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias else None
+            nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype), **bias_metadata)
+            if use_bias
+            else None
         )
         enabled = recipe is not UNSET and recipe is not None
         self.fp8_meta: Fp8MetaVariable | None = (

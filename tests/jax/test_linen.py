@@ -242,6 +242,23 @@ class _Unrolled(nn.Module):
         return x
 
 
+def test_a_scan_without_fp8_meta_in_variable_axes_says_so_at_init() -> None:
+    """The usual ``variable_axes={"params": 0}`` of a converted stack leaves the FP8 collection
+    read-only inside the scan: init's error says where to add it (it asked for init's
+    variables, which the user was creating)."""
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(
+                _Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=2
+            )
+            return scan(name="stack")(x, None)[0]
+
+    with pytest.raises(ValueError, match=r"variable_axes=\{'params': 0, 'fp8_meta': 0\}"):
+        init(Stack(), jnp.ones((2, 16)))
+
+
 @pytest.mark.slow
 def test_scan_over_layers_equals_unrolled_with_per_layer_meta() -> None:
     x = jnp.asarray(random_fp8_friendly(np.random.default_rng(1), (4, 16)))

@@ -114,6 +114,25 @@ def test_without_recipe_it_is_a_plain_linear() -> None:
         Linear(0, 5, rngs=nnx.Rngs(0))
 
 
+def test_flax_metadata_and_attributes_are_taken_as_flax_takes_them() -> None:
+    """``kernel_metadata`` / ``bias_metadata`` (how NNX users attach sharding names) reach the
+    Params, and the attributes Flax keeps are there, with and without a recipe."""
+    for recipe in (RECIPE, None):
+        ours = Linear(
+            3, 5, recipe=recipe, kernel_metadata={"tag": "k"}, bias_metadata={"tag": "b"},
+            param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
+        )  # fmt: skip
+        theirs = nnx.Linear(
+            3, 5, kernel_metadata={"tag": "k"}, bias_metadata={"tag": "b"},
+            param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0),
+        )  # fmt: skip
+        for name in ("kernel", "bias"):
+            mine, flax_param = getattr(ours, name), getattr(theirs, name)
+            assert mine.get_metadata()["tag"] == flax_param.get_metadata()["tag"]
+            np.testing.assert_array_equal(np.asarray(mine[...]), np.asarray(flax_param[...]))
+        assert (ours.use_bias, ours.param_dtype) == (theirs.use_bias, theirs.param_dtype)
+
+
 def test_value_and_grad_over_a_model_and_an_array() -> None:
     # An array argument has a plain gradient and no FP8 state; this raised AttributeError.
     x = jnp.asarray(random_fp8_friendly(np.random.default_rng(3), (4, 3)))
