@@ -663,13 +663,11 @@ def job_rank_never_arrives(rank: int, world: int, workdir: str) -> dict[str, Any
         return {"message": None}
     torch.manual_seed(0)
     layer = f8.Linear(16, 16)
-    start = time.monotonic()
     message = None
     try:
         with f8.autocast(recipe=_recipe(5)):
             layer(_x(1.0))
     except AmaxReductionError as exc:
         message = str(exc)
-    elapsed = time.monotonic() - start
     release.touch()
-    return {"message": message, "elapsed": elapsed}
+    return {"message": message}

@@ -333,8 +333,7 @@ def test_rank_that_never_arrives_fails_within_timeout(tmp_path: Path) -> None:
     assert res["message"] is not None
     # The layout check of the first event waited for rank 1 and gave up at the group's timeout.
     assert res["message"].startswith("fp8kit: the forward FP8 state layout check over WORLD")
-    assert "Timed out" in res["message"]
-    assert res["elapsed"] < 45  # 4 s group timeout; generous bound for a loaded machine
+    assert "Timed out" in res["message"]  # a hang instead would fail run_job's 60 s limit
 
 
 # ---------------------------------------------------------------------------------------------
