@@ -201,18 +201,19 @@ def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def fp8_run_for(
-    module: nn.Module, x: torch.Tensor, in_features: int, param: torch.Tensor
+    module: nn.Module, x: torch.Tensor, in_features: int, param: torch.Tensor, name: str = "x"
 ) -> FP8Run | None:
     """Validate ``x`` for an FP8 module call and return its run, or None for high precision.
 
     ``module`` owns ``fp8_meta`` and ``_run_cache``; ``param`` is one of its parameters (for the
-    device check). None outside an enabled autocast and for empty inputs.
+    device check); ``name`` is the forward argument ``x`` is, for messages. None outside an
+    enabled autocast and for empty inputs.
     """
     settings = current_settings()
     if settings is None:
         warn_if_recomputed_without_fp8(module, bool(module._run_cache))
         return None
-    check_high_precision(x, "x")
+    check_high_precision(x, name)
     if param.dtype not in HIGH_PRECISION_DTYPES:
         raise TypeError(
             f"this {type(module).__name__}'s parameters have dtype {param.dtype}; FP8 GEMMs take "
@@ -221,12 +222,12 @@ def fp8_run_for(
         )
     if x.shape[-1:] != (in_features,):
         raise ValueError(
-            f"x must have shape (*, {in_features}) for this {type(module).__name__} "
+            f"{name} must have shape (*, {in_features}) for this {type(module).__name__} "
             f"(in_features={in_features}), got {tuple(x.shape)}"
         )
     if not _same_device(x, param):
         raise ValueError(
-            f"x is on {x.device} but the parameters are on {param.device}: move one of them"
+            f"{name} is on {x.device} but the parameters are on {param.device}: move one of them"
         )
     if x.numel() == 0:
         return None
@@ -605,7 +606,7 @@ class Linear(FP8StateOwner, nn.Linear):
         inside an enabled ``f8.autocast``, ``nn.Linear`` outside (the argument keeps
         ``nn.Linear``'s name, so ``layer(input=x)`` works for both)."""
         check_is_first_microbatch(is_first_microbatch)
-        run = fp8_run_for(self, input, self.in_features, self.weight)
+        run = fp8_run_for(self, input, self.in_features, self.weight, "input")
         if run is None:
             return super().forward(input)
         (cached,) = cached_fp8_weights(run, is_first_microbatch, [self.weight], self._weight_cache)
