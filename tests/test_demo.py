@@ -442,7 +442,9 @@ def test_missing_matplotlib_is_reported_before_training(
     assert code == 2 and "pip install 'fp8kit[demo]'" in err and err.count("\n") == 1
 
 
-def _run_info(device: str, load_start: float, load_end: float, cores: int = 2) -> RunInfo:
+def _run_info(
+    device: str, load_start: float, load_end: float, cores: int = 2, threads: int = 1
+) -> RunInfo:
     machine = {
         "cpu_count": cores,
         "load_average_at_start": (load_start, 0.0, 0.0),
@@ -451,6 +453,7 @@ def _run_info(device: str, load_start: float, load_end: float, cores: int = 2) -
     }
     info = RunInfo(MODEL, TrainConfig(), 1, "text", 1, 1, {}, "", "", "", machine, device=device)
     info.load_after = (load_end, 0.0, 0.0)
+    info.threads = threads
     return info
 
 
@@ -459,8 +462,12 @@ def test_speed_note_explains_the_device_and_flags_a_busy_machine() -> None:
     assert idle.startswith("This run trained on the CPU, where no FP8 arithmetic exists")
     assert "this CPU: AMX-BF16" in idle and idle.endswith("docs/benchmarks.md.")
     assert "busy" not in idle
-    busy = speed_note(_run_info("cpu", 0.1, 1.5))  # load above half the cores at the end
+    busy = speed_note(_run_info("cpu", 0.1, 2.5))  # others' load above half the cores at the end
     assert busy[0].startswith("This machine was busy during the run")
+    # The run's own two threads on an idle 2-core machine are not "other processes".
+    assert "busy" not in "\n".join(speed_note(_run_info("cpu", 0.2, 1.9, threads=2)))
+    assert speed_note(_run_info("cpu", 0.2, 3.1, threads=2))[0].startswith("This machine was busy")
+    assert speed_note(_run_info("cpu", 1.5, 0.0))[0].startswith("This machine was busy")
     assert busy[0].endswith("not comparable between variants.") and busy[1] == ""
     gpu = "\n".join(speed_note(_run_info("cuda", 0.0, 0.0)))
     assert gpu.startswith("This run trained on Some GPU.")

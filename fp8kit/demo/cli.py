@@ -394,6 +394,7 @@ def _run(opts: Options) -> int:
         device=opts.device,
         command=opts.command,
         quick=opts.quick,
+        threads=torch.get_num_threads(),
     )
     charts = write_charts(results, opts.out)
     info.load_after = load_average()

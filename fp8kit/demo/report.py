@@ -51,6 +51,7 @@ class RunInfo:
     quick: bool = False
     total_wall_s: float = 0.0
     load_after: tuple[float, float, float] | None = None
+    threads: int = 1  # torch threads the run trained with (its own share of load_after)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,13 +213,15 @@ def fmt_number(v: float | None, spec: str, suffix: str = "") -> str:
 
 
 def machine_was_busy(info: RunInfo) -> bool:
-    """Whether the 1-minute load average at the start or the end of the run exceeded half the
-    cores: other processes then took CPU time from some variants and not from others."""
+    """Whether other processes' 1-minute load average exceeded half the cores, at the start of
+    the run or at its end: they then took CPU time from some variants and not from others. The
+    end's load average includes the run's own threads (up to ``info.threads`` after minutes of
+    training), which are taken off."""
     start = info.machine.get("load_average_at_start")
     if start is None:
         return False
-    end = info.load_after or start
-    return max(start[0], end[0]) > 0.5 * (info.machine.get("cpu_count") or 1)
+    others_at_end = (info.load_after or start)[0] - (info.threads if info.load_after else 0)
+    return max(start[0], others_at_end) > 0.5 * (info.machine.get("cpu_count") or 1)
 
 
 _BUSY_NOTE = (
