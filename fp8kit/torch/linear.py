@@ -77,7 +77,7 @@ class FP8StateOwner:
         self.register_load_state_dict_post_hook(_fresh_fp8_state_beside_the_weights)  # type: ignore[attr-defined]
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
+        state = super().__getstate__()  # type: ignore[misc]  # nn.Module's: a copy, uncompiled
         state["_run_cache"] = {}
         return state
 
