@@ -133,7 +133,7 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
 
         As in PyTorch: under ``torch.autocast`` query, key and value may differ in dtype (each
         projection runs in the autocast dtype); a float mask may be float32 or the dtype the
-        attention runs in (:func:`_attention_dtype`), and is cast to the latter.
+        attention runs in (:func:`_attention_dtype`); see :func:`_mask_in` for how it is added.
         """
         autocast_dtype = torch_autocast_dtype(query)
         for name, t in (("query", query), ("key", key), ("value", value)):
@@ -244,8 +244,10 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
         tgt_len, bsz, embed_dim = query.shape
         heads, head_dim = self.num_heads, self.head_dim
         dtype = _attention_dtype(query)
+        autocasting = torch_autocast_dtype(query) is not None
         key_padding_mask = _mask_in(
             dtype,
+            autocasting,
             F._canonical_mask(
                 mask=key_padding_mask,
                 mask_name="key_padding_mask",
@@ -256,6 +258,7 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
         )
         attn_mask = _mask_in(
             dtype,
+            autocasting,
             F._canonical_mask(
                 mask=attn_mask,
                 mask_name="attn_mask",
@@ -301,8 +304,8 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
         if need_weights:
             scores = (q * math.sqrt(1.0 / head_dim)) @ k.transpose(-2, -1)
             if attn_mask is not None:
-                scores = scores + attn_mask
-            weights = torch.softmax(scores, dim=-1)
+                scores = scores + attn_mask  # float32 for a float32 mask outside torch.autocast
+            weights = torch.softmax(scores, dim=-1).to(q.dtype)
             if dropout_p > 0.0:
                 weights = F.dropout(weights, p=dropout_p)
             out = weights @ v  # (N * H, L, head_dim)
@@ -339,10 +342,14 @@ def _attention_dtype(query: torch.Tensor) -> torch.dtype:
     return torch_autocast_dtype(query) or query.dtype
 
 
-def _mask_in(dtype: torch.dtype, mask: torch.Tensor | None) -> torch.Tensor | None:
-    """A canonical (float) mask in ``dtype``, as ``scaled_dot_product_attention`` casts a float
-    mask to the query's dtype: scores and weights then stay in ``dtype``."""
-    return None if mask is None else mask.to(dtype)
+def _mask_in(
+    dtype: torch.dtype, autocasting: bool, mask: torch.Tensor | None
+) -> torch.Tensor | None:
+    """A canonical (float) mask as PyTorch's attention adds it: under ``torch.autocast`` cast to
+    the autocast ``dtype`` (autocast casts ``baddbmm``'s and ``scaled_dot_product_attention``'s
+    float inputs so); outside it as it is, so a float32 mask of a half-precision model is added in
+    float32, unrounded (and the weights are the float32 softmax, rounded once)."""
+    return mask.to(dtype) if mask is not None and autocasting else mask
 
 
 def to_fp8_attention(old: nn.MultiheadAttention) -> MultiheadAttention:

@@ -287,6 +287,27 @@ def test_a_bfloat16_model_takes_a_float32_causal_mask() -> None:
     assert (weights.triu(1) == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_mask_of_a_half_precision_model_is_added_in_float32_as_pytorch_does(
+    dtype,
+) -> None:
+    """Outside torch.autocast PyTorch adds a float32 mask to half-precision scores without
+    rounding it (an ALiBi-like bias loses bits in bfloat16; a fully masked row of -1e9 would be
+    -inf in float16, and its output 0 or NaN): fp8kit too, and its weights are the float32
+    softmax, rounded once."""
+    stock, fp8 = _pair({"batch_first": True})
+    stock.to(dtype), fp8.to(dtype)
+    q = torch.randn(N, L, E, dtype=dtype)
+    bias = -torch.arange(L * L, dtype=torch.float32).reshape(L, L) * 1.7  # down to -40.8
+    bias[0] = -1e9  # a fully masked row, finite in float32
+    want, _ = stock(q, q, q, attn_mask=bias, need_weights=False)
+    with f8.autocast(recipe=HIGH):
+        got, _ = fp8(q, q, q, attn_mask=bias, need_weights=False)
+        _, weights = fp8(q, q, q, attn_mask=bias, average_attn_weights=False)
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+    assert weights.dtype == dtype and torch.isfinite(weights).all()
+
+
 def test_params_dtype_is_te_spelling_of_dtype() -> None:
     mha = f8.MultiheadAttention(E, H, kdim=24, vdim=16, params_dtype=torch.bfloat16)
     assert {p.dtype for p in mha.parameters()} == {torch.bfloat16}
