@@ -230,14 +230,19 @@ def convert_model(
         raise TypeError("module_filter must be None or a callable (module, fqn) -> bool")
     patterns = _check_patterns(keep_high_precision)
 
-    if (
-        isinstance(model, (nn.Linear, nn.MultiheadAttention))
-        and _skip_reason(model, "", patterns, module_filter) is None
-    ):
+    if isinstance(model, (nn.Linear, nn.MultiheadAttention)):
+        reason = _skip_reason(model, "", patterns, module_filter)
+        if reason is None:
+            logger.info(
+                "fp8kit.convert_model: converted the model itself (an nn.%s)",
+                type(model).__name__,
+            )
+            return summarize_fresh_fp8_state(label_fp8_modules(_to_fp8(model)))
         logger.info(
-            "fp8kit.convert_model: converted the model itself (an nn.%s)", type(model).__name__
+            "fp8kit.convert_model: left the model itself (a %s) in high precision (%s)",
+            type(model).__name__,
+            reason,
         )
-        return summarize_fresh_fp8_state(label_fp8_modules(_to_fp8(model)))
     converted: list[str] = []
     left: list[str] = []
     reasons: dict[str, str] = {}
@@ -286,9 +291,7 @@ def convert_model(
             len(left),
             "; ".join(f"{fqn} ({reasons[fqn]})" for fqn in left),
         )
-    unused = [
-        p for p in patterns if not any(fnmatch.fnmatchcase(f, p) for f, _ in model.named_modules())
-    ]
+    unused = [p for p in patterns if not any(fnmatch.fnmatchcase(f, p) for f in order)]
     if unused:
         logger.warning(
             "fp8kit.convert_model: keep_high_precision pattern(s) %s matched no module", unused

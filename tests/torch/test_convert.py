@@ -317,3 +317,21 @@ def test_a_shared_module_keeps_one_decision_over_all_its_paths() -> None:
         model = nn.ModuleDict({"a": shared, "b": shared})
         f8.convert_model(model, **kwargs)
         assert model["a"] is shared and model["b"] is shared, kwargs
+
+
+def test_a_pattern_that_keeps_a_shared_module_by_its_second_path_is_not_unused(caplog) -> None:
+    shared = nn.Linear(8, 8)
+    with caplog.at_level("INFO", logger="fp8kit"):
+        f8.convert_model(nn.ModuleDict({"a": shared, "b": shared}), keep_high_precision="b")
+    assert "b (keep_high_precision pattern 'b')" in caplog.text
+    assert "matched no module" not in caplog.text
+
+
+def test_a_bare_module_left_in_high_precision_says_why(caplog) -> None:
+    linear = nn.Linear(8, 8)
+    linear.forward = functools.partial(nn.Linear.forward, linear)  # as accelerate's hooks do
+    with caplog.at_level("INFO", logger="fp8kit"):
+        assert f8.convert_model(linear) is linear
+    assert "left the model itself (a Linear) in high precision (its forward is replaced" in (
+        caplog.text
+    )

@@ -1,8 +1,9 @@
 """What an update event does to a pool of scaling states (docs/semantics.md sections 3, 9).
 
-:func:`apply_update` runs the update rule in place over every column of a
-:class:`~fp8kit.torch.state.pool.StatePool`: one fused kernel for the built-in algorithms, the
-torch rule of :mod:`fp8kit.torch.scaling` for callables; :func:`prepared_update` is the same
+:func:`apply_update` runs the update rule in place over the columns of a
+:class:`~fp8kit.torch.state.pool.StatePool` that take part in the event: one fused kernel for the
+built-in algorithms, the torch rule of :mod:`fp8kit.torch.scaling` for callables (on the columns
+that ran only); :func:`prepared_update` is the same
 kernel with its arguments bound once, for the steady state. :class:`NonfiniteWatch` reports infinite
 amaxes without a host synchronisation (docs/performance.md).
 """
@@ -71,7 +72,9 @@ def _kernel_args(
 def apply_update(
     pool: StatePool, recipe: DelayedScaling, fmax: float, ran: torch.Tensor | None
 ) -> None:
-    """Run the update rule on the whole pool, in place, with no host synchronisation.
+    """Run the update rule on the whole pool, in place, with no host synchronisation, except
+    for a callable algorithm with a ``ran`` mask that came out of an all-reduce (its columns are
+    read with ``nonzero``: :meth:`StatePool.columns_of`).
 
     Args:
         pool: the pool; its history row 0 holds this event's staging row (after any reduction).
