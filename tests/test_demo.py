@@ -23,7 +23,7 @@ from fp8kit.demo.cli import MODEL, parse_options  # noqa: E402
 from fp8kit.demo.cli import main as demo_main  # noqa: E402
 from fp8kit.demo.corpus import CorpusError, load_corpus, stdlib_files  # noqa: E402
 from fp8kit.demo.precision import Bf16Emulation  # noqa: E402
-from fp8kit.demo.report import RunInfo, speed_note  # noqa: E402
+from fp8kit.demo.report import RunInfo, machine_was_busy, speed_note  # noqa: E402
 from fp8kit.demo.train import RunResult, TrainConfig, batch_offsets, lr_at  # noqa: E402
 
 PNGS = ("loss.png", "fp8_amax_scale.png", "fp8_saturation_flush.png")
@@ -468,6 +468,9 @@ def test_speed_note_explains_the_device_and_flags_a_busy_machine() -> None:
     assert "busy" not in "\n".join(speed_note(_run_info("cpu", 0.2, 1.9, threads=2)))
     assert speed_note(_run_info("cpu", 0.2, 3.1, threads=2))[0].startswith("This machine was busy")
     assert speed_note(_run_info("cpu", 1.5, 0.0))[0].startswith("This machine was busy")
+    # On a GPU the run's CPU threads sit idle: only its driving thread is its own load.
+    assert machine_was_busy(_run_info("cuda", 0.2, 12.0, cores=16, threads=16))
+    assert not machine_was_busy(_run_info("cuda", 0.2, 1.0, cores=16, threads=16))
     assert busy[0].endswith("not comparable between variants.") and busy[1] == ""
     gpu = "\n".join(speed_note(_run_info("cuda", 0.0, 0.0)))
     assert gpu.startswith("This run trained on Some GPU.")

@@ -51,7 +51,7 @@ class RunInfo:
     quick: bool = False
     total_wall_s: float = 0.0
     load_after: tuple[float, float, float] | None = None
-    threads: int = 1  # torch threads the run trained with (its own share of load_after)
+    threads: int = 1  # torch threads the run trained with (its CPU share of load_after)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,12 +215,13 @@ def fmt_number(v: float | None, spec: str, suffix: str = "") -> str:
 def machine_was_busy(info: RunInfo) -> bool:
     """Whether other processes' 1-minute load average exceeded half the cores, at the start of
     the run or at its end: they then took CPU time from some variants and not from others. The
-    end's load average includes the run's own threads (up to ``info.threads`` after minutes of
-    training), which are taken off."""
+    end's load average includes the run's own work, which is taken off: up to ``info.threads``
+    after minutes of training on the CPU, one thread (the host driving it) on a GPU."""
     start = info.machine.get("load_average_at_start")
     if start is None:
         return False
-    others_at_end = (info.load_after or start)[0] - (info.threads if info.load_after else 0)
+    own = (info.threads if info.device == "cpu" else 1) if info.load_after else 0
+    others_at_end = (info.load_after or start)[0] - own
     return max(start[0], others_at_end) > 0.5 * (info.machine.get("cpu_count") or 1)
 
 
