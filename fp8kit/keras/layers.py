@@ -24,13 +24,14 @@ import numpy as np
 from fp8kit.keras.autocast import UNSET, resolve
 from fp8kit.keras.backends import fp8_einsum_for_backend
 from fp8kit.keras.gemm import GemmPlan, plan_einsum
-from fp8kit.keras.quantization import FP8_DTYPE_NAMES
 from fp8kit.keras.state import STATE_VARIABLES, Fp8State
 from fp8kit.recipe import Recipe, check_rebuildable, recipe_from_dict
 
 logger = logging.getLogger("fp8kit")
 
-__all__ = ["Dense", "EinsumDense"]
+__all__ = ["INPUT_DTYPES", "Dense", "EinsumDense"]
+
+INPUT_DTYPES = ("float16", "bfloat16", "float32", "float64")  # what the FP8 GEMM casts from
 
 
 def _recipe_arg(recipe: Any) -> Any:
@@ -101,10 +102,10 @@ class _Fp8LayerMixin:
 
     def _fp8_gemm(self, inputs: Any, kernel: Any, training: Any) -> Any:
         dtype = keras.backend.standardize_dtype(inputs.dtype)
-        if dtype in FP8_DTYPE_NAMES or "float" not in dtype:
+        if dtype not in INPUT_DTYPES:
             raise TypeError(
                 f"{type(self).__name__} {self.name!r}: inputs must have a high-precision float "  # type: ignore[attr-defined]
-                f"dtype (float16, bfloat16, float32, float64), got {dtype}"
+                f"dtype ({', '.join(INPUT_DTYPES)}), got {dtype}"
             )
         if not _is_training_flag(training):
             raise TypeError(

@@ -155,8 +155,9 @@ def test_bad_inputs_name_the_parameter() -> None:
         TypeError, match=r"dtype \(float16, bfloat16, float32, float64\), got int32"
     ):
         f8.quantize(np.ones(3, np.int32), 1.0, E4M3)
-    with pytest.raises(TypeError, match="x must have a high-precision float dtype"):
-        f8.quantize(jnp.ones(3, jnp.float8_e4m3fn), 1.0, E4M3)
+    for low in (jnp.float8_e4m3fn, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz, jnp.float4_e2m1fn):
+        with pytest.raises(TypeError, match="x must have a high-precision float dtype"):
+            f8.quantize(jnp.ones(3, low), 1.0, E4M3)
     with pytest.raises(TypeError, match="scale"):
         f8.quantize(x, jnp.ones(2, jnp.float32), E4M3)
     with pytest.raises(TypeError, match="scale"):
