@@ -36,6 +36,7 @@ from fp8kit.torch.ddp import ddp_ignore_fp8_state
 from fp8kit.torch.distributed import AmaxReductionError
 from fp8kit.torch.state import registry
 from tests.torch.dist_helpers import run_scenarios
+from tests.torch.module_kinds import FP8_MODULE_KINDS
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
@@ -595,13 +596,9 @@ def scenario_copy_with_group(rank: int, world: int, workdir: str) -> dict[str, A
     group = dist.new_group(list(range(world)))
     recipe = _recipe(3)
     out: dict[str, Any] = {}
-    for kind in ("Linear", "LayerNormMLP", "MultiheadAttention"):
+    for kind, make in FP8_MODULE_KINDS.items():
         torch.manual_seed(0)
-        module = {
-            "Linear": lambda: f8.Linear(16, 16),
-            "LayerNormMLP": lambda: f8.LayerNormMLP(16, 32),
-            "MultiheadAttention": lambda: f8.MultiheadAttention(16, 2),
-        }[kind]()
+        module = make()
 
         def step(m: nn.Module, amax: float) -> list:
             x = _x(amax, rows=4).reshape(2, 2, 16)

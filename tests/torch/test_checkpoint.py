@@ -15,6 +15,7 @@ from torch import nn
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling, recipe_from_dict
 from fp8kit.torch.state import resize_history
+from tests.torch.module_kinds import FP8_MODULE_KINDS
 
 RECIPE = DelayedScaling(amax_history_len=8, margin=1, amax_compute_algo="most_recent")
 
@@ -336,17 +337,13 @@ def _whole_module_copies(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [copy.deepcopy(module), torch.load(buf, weights_only=False)]
 
 
-@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP", "MultiheadAttention"])
+@pytest.mark.parametrize("kind", list(FP8_MODULE_KINDS))
 def test_a_trained_module_copies_and_pickles_whole_under_a_lambda_recipe(kind: str) -> None:
     """The module's per-run cache (the recipe, with its lambda) is not part of a copy: deepcopy
     and ``torch.save(module)`` work after a step, and the copies train on bit-identically."""
     recipe = DelayedScaling(amax_history_len=4, amax_compute_algo=lambda h: h.amax(0))
     torch.manual_seed(0)
-    module = {
-        "Linear": lambda: f8.Linear(16, 16),
-        "LayerNormMLP": lambda: f8.LayerNormMLP(16, 32),
-        "MultiheadAttention": lambda: f8.MultiheadAttention(16, 2),
-    }[kind]()
+    module = FP8_MODULE_KINDS[kind]()
 
     def step(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         with f8.autocast(recipe=recipe):

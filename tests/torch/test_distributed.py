@@ -40,6 +40,7 @@ from tests.torch.dist_scenarios import (
     moe_amax,
     shard,
 )
+from tests.torch.module_kinds import FP8_MODULE_KINDS
 
 pytestmark = pytest.mark.multiprocess
 
@@ -287,7 +288,7 @@ def test_ddp_without_reduction_keeps_rank_states(two: list) -> None:
 
 def test_modules_copy_and_pickle_after_a_step_with_a_reduction_group(two: list) -> None:
     for res in scenario_result(two, "scenario_copy_with_group"):
-        assert res == {k: [True, True] for k in ("Linear", "LayerNormMLP", "MultiheadAttention")}
+        assert res == {kind: [True, True] for kind in FP8_MODULE_KINDS}
 
 
 def test_checkpoint_any_rank_resumes_every_rank(two: list) -> None:
