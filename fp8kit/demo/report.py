@@ -220,9 +220,11 @@ def machine_was_busy(info: RunInfo) -> bool:
     start = info.machine.get("load_average_at_start")
     if start is None:
         return False
-    own = (info.threads if info.device == "cpu" else 1) if info.load_after else 0
-    others_at_end = (info.load_after or start)[0] - own
-    return max(start[0], others_at_end) > 0.5 * (info.machine.get("cpu_count") or 1)
+    others = start[0]
+    if info.load_after is not None:
+        own = info.threads if info.device == "cpu" else 1
+        others = max(others, info.load_after[0] - own)
+    return others > 0.5 * (info.machine.get("cpu_count") or 1)
 
 
 _BUSY_NOTE = (

@@ -133,7 +133,7 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
 
         As in PyTorch: under ``torch.autocast`` query, key and value may differ in dtype (each
         projection runs in the autocast dtype); a float mask may be float32 or the dtype the
-        attention runs in (:func:`_attention_dtype`); see :func:`_mask_in` for how it is added.
+        attention runs in (the autocast dtype, else the query's); :func:`_mask_in` adds it.
         """
         autocast_dtype = torch_autocast_dtype(query)
         for name, t in (("query", query), ("key", key), ("value", value)):
@@ -143,7 +143,7 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
                     f"{name} must have query's dtype {query.dtype}, got {t.dtype}: cast the "
                     "inputs to one dtype (or run under torch.autocast)"
                 )
-        dtype = _attention_dtype(query)
+        dtype = autocast_dtype or query.dtype
         allowed = sorted({str(d) for d in (torch.bool, torch.float32, dtype)})
         for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
             if mask is not None and mask.dtype not in (torch.bool, torch.float32, dtype):
@@ -243,11 +243,10 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
                 value = key
         tgt_len, bsz, embed_dim = query.shape
         heads, head_dim = self.num_heads, self.head_dim
-        dtype = _attention_dtype(query)
-        autocasting = torch_autocast_dtype(query) is not None
+        autocast_dtype = torch_autocast_dtype(query)
+        dtype = autocast_dtype or query.dtype  # what the projections write, the core runs in
         key_padding_mask = _mask_in(
-            dtype,
-            autocasting,
+            autocast_dtype,
             F._canonical_mask(
                 mask=key_padding_mask,
                 mask_name="key_padding_mask",
@@ -257,8 +256,7 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
             ),
         )
         attn_mask = _mask_in(
-            dtype,
-            autocasting,
+            autocast_dtype,
             F._canonical_mask(
                 mask=attn_mask,
                 mask_name="attn_mask",
@@ -336,20 +334,12 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
         return out, weights
 
 
-def _attention_dtype(query: torch.Tensor) -> torch.dtype:
-    """The dtype the projections write and the attention core runs in: the ``torch.autocast``
-    dtype where one is active for ``query``'s device, else ``query``'s dtype."""
-    return torch_autocast_dtype(query) or query.dtype
-
-
-def _mask_in(
-    dtype: torch.dtype, autocasting: bool, mask: torch.Tensor | None
-) -> torch.Tensor | None:
+def _mask_in(autocast_dtype: torch.dtype | None, mask: torch.Tensor | None) -> torch.Tensor | None:
     """A canonical (float) mask as PyTorch's attention adds it: under ``torch.autocast`` cast to
-    the autocast ``dtype`` (autocast casts ``baddbmm``'s and ``scaled_dot_product_attention``'s
-    float inputs so); outside it as it is, so a float32 mask of a half-precision model is added in
-    float32, unrounded (and the weights are the float32 softmax, rounded once)."""
-    return mask.to(dtype) if mask is not None and autocasting else mask
+    ``autocast_dtype`` (autocast casts ``baddbmm``'s and ``scaled_dot_product_attention``'s
+    float inputs so); outside it (None) as it is, so a float32 mask of a half-precision model is
+    added in float32, unrounded (and the weights are the float32 softmax, rounded once)."""
+    return mask if mask is None or autocast_dtype is None else mask.to(autocast_dtype)
 
 
 def to_fp8_attention(old: nn.MultiheadAttention) -> MultiheadAttention:

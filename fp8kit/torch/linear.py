@@ -245,14 +245,14 @@ def cached_fp8_weights(
 
     None: nothing cached (every call quantizes and records). True: quantize now, record, and keep
     in ``cache`` (updated in place). False: reuse ``cache`` without recording. A calibration-only
-    run (``run.fp8`` False) uses no FP8 weight: it leaves ``cache`` alone and every call records
-    the weight's amax, whatever ``is_first_microbatch`` says.
+    run (``run.fp8`` False) uses no FP8 weight: True and False cache and reuse nothing there, and
+    every call records the weight's amax.
     """
-    if not run.fp8:
-        return [None] * len(weights)
     if is_first_microbatch is None:
         if cache.count(None) != len(cache):  # written only when it held weights: a traced
             cache[:] = [None] * len(weights)  # call then has no Python side effect here
+    elif not run.fp8:
+        return [None] * len(weights)
     elif is_first_microbatch:
         cache[:] = [run.quantize_weight(w.detach(), g) for g, w in enumerate(weights)]
     else:

@@ -36,8 +36,9 @@ class StatePool:
         self.update_count = torch.zeros(0, dtype=torch.int64)
         self.nonfinite_count = torch.zeros(0, dtype=torch.int64)
         self._masks: dict[frozenset[int], torch.Tensor] = {}  # slot_mask cache (device tensors)
-        # slot_mask's column indices, by id of a mask held in _masks (so its id is not reused)
-        self._columns: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # slot_mask's column indices by id of its mask; the mask lives in _masks (cleared together)
+        # while its entry is here, so no other live mask has that id
+        self._columns: dict[int, torch.Tensor] = {}
         # Anything derived from the pool's tensors by their users (the prepared update event of
         # fp8kit.torch.state.apply), dropped whenever the tensors are replaced.
         self.derived: dict[object, object] = {}
@@ -152,7 +153,7 @@ class StatePool:
                 self._masks.clear()
                 self._columns.clear()
             self._masks[wanted] = mask
-            self._columns[id(mask)] = (mask, columns.to(device))
+            self._columns[id(mask)] = columns.to(device)
         return mask
 
     def columns_of(self, mask: torch.Tensor) -> torch.Tensor:
@@ -161,7 +162,5 @@ class StatePool:
         Known without a host read for a mask :meth:`slot_mask` made; any other mask (one that
         came out of an all-reduce) is read with ``nonzero``, a host synchronisation on CUDA.
         """
-        cached = self._columns.get(id(mask))
-        if cached is not None and cached[0] is mask:
-            return cached[1]
-        return mask.nonzero().flatten()
+        columns = self._columns.get(id(mask))
+        return mask.nonzero().flatten() if columns is None else columns
