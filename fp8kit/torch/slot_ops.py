@@ -67,7 +67,10 @@ def _quantize_slot_op(
     plan = plan_for(event_of(event_key)[0])
     state = state_by_uid(backward_uid if backward else forward_uid)
     if plan.delayed:
-        for uid in (forward_uid, backward_uid):
+        # A forward cast binds both states, as eager's module call does (prepare_run); a
+        # backward cast only the state it casts into, as eager's backward event does: the
+        # module may have run under another recipe since its forward (decision 0247).
+        for uid in (backward_uid,) if backward else (forward_uid, backward_uid):
             bind_state_if_needed(state_by_uid(uid), plan.recipe)  # type: ignore[arg-type]
     q, db = quantize_slot(x, plan, state, slot, backward, record, transpose, dbias)
     if enrol_state:

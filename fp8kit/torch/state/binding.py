@@ -1,7 +1,7 @@
 """Binding a recipe to FP8 state: the one place where a history gets the recipe's length.
 
 A module is built with a default history length; the first call under a recipe (and
-:func:`fp8kit.torch.init_fp8_state`, and an event for a state loaded with another length) binds
+:func:`fp8kit.torch.init_fp8_state`, and an event for a member state bound otherwise) binds
 the state to the recipe: the history is resized to ``recipe.amax_history_len`` (with a warning if
 it held values, docs/semantics.md section 6) and the recipe is recorded for checkpoints.
 """
@@ -34,7 +34,9 @@ def bind_recipe(meta: FP8Meta, recipe: DelayedScaling, why: str = "") -> None:
 
 def bind_state_if_needed(state: ScalingState, recipe: DelayedScaling) -> None:
     """Bind ``state`` to ``recipe`` unless it is bound already: the check of a compiled module
-    call, whose graph cannot bind before it runs (docs/decisions/0233-torch-compile.md).
+    call, whose graph cannot bind before it runs (docs/decisions/0233-torch-compile.md), and of
+    an update event for its members (a state loaded with another length, or bound to another
+    recipe by a call that did not train, since it last ran under the event's recipe).
 
     Costs an identity test and a shape read when nothing is to do.
     """

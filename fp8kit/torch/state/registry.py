@@ -39,7 +39,7 @@ from fp8kit.recipe import DelayedScaling
 from fp8kit.torch import distributed
 from fp8kit.torch.distributed import Layout
 from fp8kit.torch.state.apply import NonfiniteWatch, apply_update, prepared_update
-from fp8kit.torch.state.binding import bind_history_len
+from fp8kit.torch.state.binding import bind_state_if_needed
 from fp8kit.torch.state.buffers import ScalingState, buffer_generation
 from fp8kit.torch.state.pool import StatePool
 
@@ -274,8 +274,8 @@ class StateRegistry:
             self.discard(state)
         if moved:
             states = self.states()
-        for state in states:  # a state loaded with another L and not run since
-            bind_history_len(state, self.recipe)
+        for state in states:  # loaded with another L, or bound to another recipe, since it ran
+            bind_state_if_needed(state, self.recipe)
         self.pool.sync(states)
         self._membership_changed = False
 
