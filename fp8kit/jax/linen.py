@@ -29,6 +29,7 @@ from jax import lax
 from fp8kit.jax.autocast import UNSET, resolve_defaults
 from fp8kit.jax.dot import dot_general, dot_general_joined
 from fp8kit.jax.meta import Fp8Meta, init_meta
+from fp8kit.jax.quantization import master_weight
 
 __all__ = ["FP8_COLLECTION", "Dense", "DenseGeneral"]
 
@@ -108,20 +109,25 @@ class _Fp8Layer(nn.Module):
     def _gemm(
         self,
         x: jax.Array,
-        kernel: jax.Array,
+        kernel_param: jax.Array,
         bias: jax.Array | None,
         dims: Any,
     ) -> jax.Array:
+        """``x`` (the input) and ``kernel_param`` (the parameter) are promoted to the compute
+        dtype as Flax's layers promote them, except the kernel an FP8 GEMM quantizes
+        (:func:`~fp8kit.jax.quantization.master_weight`)."""
+        x, kernel, bias = promote_dtype(x, kernel_param, bias, dtype=self.dtype)  # type: ignore[attr-defined]
         meta, writable = self._fp8_state()
         precision = self.precision  # type: ignore[attr-defined]
         if meta is None:
             y = lax.dot_general(x, kernel, dims, precision=precision)
             return y if bias is None else y + bias
+        kernel = master_weight(kernel_param, kernel)
         kwargs = {
             "bias": bias,
             "fp8_output": self.fp8_output,  # type: ignore[attr-defined]
             "fp8_grad": self.fp8_grad,  # type: ignore[attr-defined]
-            "preferred_element_type": jnp.result_type(x, kernel),
+            "preferred_element_type": x.dtype,
             "precision": precision,
         }
         if writable and not self.is_initializing():
@@ -169,7 +175,6 @@ class Dense(_Fp8Layer):
             if self.use_bias
             else None
         )
-        inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         dims = (((inputs.ndim - 1,), (0,)), ((), ()))
         return self._gemm(inputs, kernel, bias, dims)
 
@@ -261,7 +266,6 @@ class DenseGeneral(_Fp8Layer):
             if self.use_bias
             else None
         )
-        inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         kernel_batch = tuple(range(n_batch))
         kernel_contract = tuple(range(n_batch, n_batch + n_axis))
         dims = ((axis, kernel_contract), (batch_dims, kernel_batch))

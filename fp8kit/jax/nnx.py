@@ -22,6 +22,7 @@ from fp8kit.jax.autocast import UNSET, resolve_defaults
 from fp8kit.jax.dot import dot_general_chained
 from fp8kit.jax.grad import split_grads
 from fp8kit.jax.meta import Fp8Meta, init_meta
+from fp8kit.jax.quantization import master_weight
 from fp8kit.jax.updates import update as _update_tree
 
 __all__ = ["Fp8MetaVariable", "Linear", "update", "value_and_grad"]
@@ -99,9 +100,9 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``x`` ``(..., in_features)`` -> ``(..., out_features)``."""
-        kernel = self.kernel[...]
+        kernel_param = self.kernel[...]
         bias = None if self.bias is None else self.bias[...]
-        x, kernel, bias = promote_dtype(x, kernel, bias, dtype=self.dtype)
+        x, kernel, bias = promote_dtype(x, kernel_param, bias, dtype=self.dtype)
         dims = (((x.ndim - 1,), (0,)), ((), ()))
         if self.fp8_meta is None:
             y = lax.dot_general(x, kernel, dims, precision=self.precision)
@@ -109,13 +110,13 @@ class Linear(nnx.Module):
         meta = self.fp8_meta.get_value()
         y, meta_out = dot_general_chained(
             x,
-            kernel,
+            master_weight(kernel_param, kernel),
             dims,
             meta,
             bias=bias,
             fp8_output=self.fp8_output,
             fp8_grad=self.fp8_grad,
-            preferred_element_type=jnp.result_type(x, kernel),
+            preferred_element_type=x.dtype,
             precision=self.precision,
         )
         # The next call of this layer continues the chain, so reuse combines amaxes with max.

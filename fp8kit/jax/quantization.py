@@ -10,6 +10,11 @@ Two platform facts (see ``docs/decisions/0102-jax-numerics-parity.md``):
 
 * NaN bytes: XLA encodes an E5M2 NaN as ``S.11111.10``; PyTorch (and fp8kit) use ``S.11111.11``.
   :func:`cast_to_fp8` rewrites E5M2 NaNs so both frontends produce the same bytes.
+* XLA may keep a bfloat16 / float16 result in float32 inside one compiled program
+  (``--xla_allow_excess_precision``, on by default), so a cast in the same program as the op
+  that produced its input would read the unrounded value. :func:`stored` rounds the input to
+  its own dtype first (exact on a stored array), so the cast and the amax read the tensor as
+  PyTorch and TensorFlow hold it.
 * XLA on CPU flushes float32 subnormals (``|x| < 2**-126``) to zero inside computations, so such
   inputs quantize to 0 and record amax 0. Every FP8 value is a normal float32, so this never
   touches an FP8 result that PyTorch would produce from normal float32 inputs.
@@ -24,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from fp8kit.formats import E4M3, E5M2, FORMATS_BY_NAME, FP8Format, check_scale_number
 from fp8kit.jax.scaling import compute_scale
@@ -38,9 +44,11 @@ __all__ = [
     "fp8_format_of",
     "high_precision_dtype",
     "jnp_dtype_of",
+    "master_weight",
     "nan_ignoring_amax",
     "quantize",
     "quantize_current",
+    "stored",
 ]
 
 _JNP_DTYPES: dict[str, Any] = {
@@ -143,10 +151,35 @@ def dequantize(t: Float8Array, dtype: Any = jnp.float32) -> jax.Array:
     return out if dt == np.float32 else out.astype(dt)
 
 
+def stored(x: jax.Array) -> jax.Array:
+    """``x`` rounded to its own dtype: the identity on a materialised array, and the rounding
+    XLA may skip inside a compiled program for a bfloat16 / float16 result (excess precision).
+
+    ``lax.reduce_precision`` to the dtype's own precision is what XLA keeps through its pass
+    that removes convert pairs (it drops such no-op roundings only after that pass), so the
+    FP8 cast and amax of ``x`` read the value a separately computed ``x`` would hold."""
+    if x.dtype == jnp.bfloat16 or x.dtype == jnp.float16:
+        info = jnp.finfo(x.dtype)
+        return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return x
+
+
+def master_weight(param: jax.Array, promoted: jax.Array) -> jax.Array:
+    """The weight an FP8 layer quantizes: its parameter ``param`` itself where the layer's
+    compute dtype (``promoted``, Flax's ``promote_dtype`` of it) would round it, as
+    fp8kit.torch under ``torch.autocast`` and fp8kit.keras under a mixed policy quantize the
+    float32 master weight; ``promoted`` where that is exact (a wider compute dtype). The weight
+    gradient then comes back in the parameter's dtype (docs/jax.md, "Dtypes")."""
+    if jnp.promote_types(param.dtype, promoted.dtype) == promoted.dtype:
+        return promoted
+    return param
+
+
 @jax.jit
 def nan_ignoring_amax(x: jax.Array) -> jax.Array:
-    """``max |x|`` over all elements with NaN ignored, as a float32 0-d array (0 if none)."""
-    a = jnp.abs(x)
+    """``max |x|`` over all elements with NaN ignored, as a float32 0-d array (0 if none);
+    ``x`` as stored (:func:`stored`)."""
+    a = jnp.abs(stored(x))
     a = jnp.where(jnp.isnan(a), jnp.zeros((), a.dtype), a)
     return jnp.max(a, initial=jnp.zeros((), a.dtype)).astype(jnp.float32)
 
@@ -165,13 +198,14 @@ def cast_to_fp8(x: jax.Array, scale: jax.Array, fmt: FP8Format) -> tuple[jax.Arr
     """Scale, saturate and round ``x`` into ``fmt``; also return ``max |x|`` (NaN ignored).
 
     Args:
-        x: high-precision array, any shape.
+        x: high-precision array, any shape, read as stored (:func:`stored`).
         scale: float32 0-d array (the quantization scale).
         fmt: target FP8 format.
 
     Returns:
         ``(data, amax)``: FP8 array of ``x.shape`` and a float32 0-d array.
     """
+    x = stored(x)
     scaled = x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32).reshape(())
     scaled = jnp.clip(scaled, -fmt.max, fmt.max)  # saturate; +-inf -> +-fmax; NaN stays NaN
     data = _canonical_nan(scaled.astype(jnp_dtype_of(fmt)), scaled, fmt)

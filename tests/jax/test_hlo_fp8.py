@@ -1,8 +1,9 @@
 """CPU gate for the GPU lowering (docs/jax.md, "Lowering"): in the lowered (StableHLO) jitted
 train step of every FP8 layer, each GEMM is one ``dot_general`` on FP8 operands that writes the
-compute dtype and is scaled by one scalar multiply: the form XLA's GPU compiler runs as a
-cuBLASLt FP8 GEMM (``__cublas$lt$matmul$f8``). A float32 GEMM on dequantized operands, an
-E5M2 x E5M2 GEMM or an unaligned contraction fails here, without a GPU."""
+compute dtype (the weight gradient: the parameters' dtype) and is scaled by one scalar
+multiply: the form XLA's GPU compiler runs as a cuBLASLt FP8 GEMM (``__cublas$lt$matmul$f8``).
+A float32 GEMM on dequantized operands, an E5M2 x E5M2 GEMM or an unaligned contraction fails
+here, without a GPU."""
 
 from __future__ import annotations
 
@@ -107,14 +108,17 @@ def _nnx_step_text(dtype) -> str:
     return jax.jit(step).lower(state, x).as_text()
 
 
-def _assert_fp8_gemms(found: list[Dot], layers: int, compute: str) -> None:
+def _assert_fp8_gemms(found: list[Dot], layers: int, compute: str, params: str = "f32") -> None:
+    """``compute``: the layers' compute dtype; ``params``: their parameters' dtype, which the
+    weight-gradient GEMM (E4M3 x E5M2) writes (``master_weight``)."""
     assert found, "no dot_general in the lowered step"
     for d in found:
+        out = params if d.operands == (E4M3, E5M2) else compute
         assert d.lhs_type in (E4M3, E5M2) and d.rhs_type in (E4M3, E5M2), (
             f"a GEMM on {d.operands} operands, not FP8: {d.text}"
         )
         assert d.operands != (E5M2, E5M2), f"E5M2 x E5M2 GEMM: {d.text}"
-        assert d.out_type == compute, f"GEMM writes {d.out_type}, compute dtype {compute}: {d.text}"
+        assert d.out_type == out, f"GEMM writes {d.out_type}, want {out}: {d.text}"
         assert d.contraction % 16 == 0, f"contraction {d.contraction} not aligned: {d.text}"
         assert d.scaled_by_scalar, f"GEMM result is not scaled by one scalar multiply: {d.text}"
     pairs = Counter(d.operands for d in found)

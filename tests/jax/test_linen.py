@@ -165,6 +165,29 @@ def test_dense_general_fp8_matches_the_functional_op() -> None:
     assert float(obs_ref[2].forward[0]) == float(jnp.max(jnp.abs(x)))
 
 
+class _Bf16Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = Dense(16, use_bias=False, dtype=jnp.bfloat16, name="l1")(x)
+        return Dense(8, use_bias=False, dtype=jnp.bfloat16, name="l2")(jnp.tanh(h) * 3.1)
+
+
+def test_a_jitted_bfloat16_step_records_what_the_same_step_records_op_by_op(rng) -> None:
+    """Layer 2's input and both dY are bfloat16 results computed in the same program as their
+    casts; XLA's excess precision made the jitted step cast (and record amaxes of) the unrounded
+    float32 values, so its observations differed from the op-by-op step's (docs/jax.md,
+    "Dtypes")."""
+    x = jnp.asarray(rng.standard_normal((8, 16)), jnp.bfloat16)
+    model = _Bf16Mlp()
+    v = init(model, x)
+
+    def observe(v, x):
+        loss = lambda v: jnp.mean((model.apply(v, x).astype(jnp.float32) - 0.37) ** 2)  # noqa: E731
+        return f8.value_and_grad(loss)(v)[2]
+
+    leaves_equal(jax.jit(observe)(v, x), observe(v, x))
+
+
 class _Block(nn.Module):
     @nn.compact
     def __call__(self, x):

@@ -69,6 +69,23 @@ def test_linear_matches_the_functional_op_and_reuse_gives_max() -> None:
     assert float(got.forward[0]) == float(jnp.max(jnp.abs(2 * jax.nn.relu(model.a(x)))))
 
 
+def test_bfloat16_compute_quantizes_the_float32_kernel() -> None:
+    """``dtype=jnp.bfloat16`` with float32 parameters: the WEIGHT cast reads the float32 kernel
+    (its amax is not the bfloat16-rounded one) and the kernel gradient is the float32 wgrad
+    result, as in fp8kit.torch under ``torch.autocast`` (docs/jax.md, "Dtypes")."""
+    with f8.autocast(recipe=RECIPE):
+        layer = Linear(32, 16, use_bias=False, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    kernel = np.asarray(layer.kernel[...]) * np.float32(0.5) / np.abs(layer.kernel[...]).max()
+    kernel[0, 0] = 1.0625 + 2.0**-12  # no bfloat16 value
+    layer.kernel[...] = jnp.asarray(kernel)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((8, 32)), jnp.bfloat16)
+    _, grads, obs = nnx.jit(value_and_grad(lambda m: jnp.sum(m(x).astype(jnp.float32))))(layer)
+    assert float(obs[("fp8_meta",)].forward[1]) == np.float32(1.0625 + 2.0**-12)
+    dw = np.asarray(grads["kernel"][...])
+    assert dw.dtype == np.float32
+    assert not np.array_equal(dw, dw.astype(jnp.bfloat16).astype(np.float32))
+
+
 def test_optimizer_filtered_on_param_never_touches_meta() -> None:
     rng = np.random.default_rng(6)
     x = jnp.asarray(random_fp8_friendly(rng, (6, 8)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -17,6 +18,8 @@ from fp8kit.jax.linen import Dense  # noqa: E402
 from fp8kit.jax.scaling import update_scaling_state as jax_update  # noqa: E402
 from fp8kit.torch.scaling import update_scaling_state as torch_update  # noqa: E402
 from tests.jax.helpers import bits, edge_values, random_fp8_friendly  # noqa: E402
+
+ml_bf16 = ml_dtypes.bfloat16
 
 FORMATS = [
     (E4M3, jnp.float8_e4m3fn, torch.float8_e4m3fn),
@@ -250,3 +253,45 @@ def test_undifferentiated_operands_record_what_torch_records(rng, x_grad, w_grad
     backward_history = np.asarray(j_out[-1][2][2])
     assert backward_history[:, 1].any() == x_grad  # GRAD_INPUT: only if dX was computed
     assert backward_history[:, 0].any() == (x_grad or w_grad)  # GRAD_OUTPUT: if a GEMM needed dY
+
+
+def test_bfloat16_compute_casts_the_float32_master_weight_as_torch_does(rng) -> None:
+    """``Dense(dtype=bfloat16)`` with float32 parameters (Flax's usual mixed precision) against
+    ``f8.Linear`` under ``torch.autocast(bfloat16)``: both quantize the float32 weight itself
+    (Flax's ``promote_dtype`` used to round it to bfloat16 first), so the histories and scales
+    match bit for bit and the weight gradient is float32, not bfloat16 values."""
+    recipe = f8j.DelayedScaling(amax_history_len=3)
+    w = random_fp8_friendly(rng, (16, 32))
+    w *= np.float32(0.5) / np.abs(w).max()
+    w.flat[0] = 1.0625 + 2.0**-12  # no bfloat16 value: it is the weight's amax
+    xs = [random_fp8_friendly(rng, (8, 32), 2.0**i).astype(ml_bf16) for i in range(3)]
+    gs = [random_fp8_friendly(rng, (8, 16), 1e-2).astype(ml_bf16) for _ in range(3)]
+
+    lin = f8t.Linear(32, 16, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(w))
+    layer = Dense(16, use_bias=False, dtype=jnp.bfloat16, recipe=recipe)
+    v = {"params": {"kernel": jnp.asarray(w.T)}, "fp8_meta": {"meta": f8j.init_meta(1, recipe)}}
+
+    @jax.jit
+    def step(v, x, g):
+        loss = lambda v: jnp.sum((layer.apply(v, x) * g).astype(jnp.float32))  # noqa: E731
+        _, grads, obs = f8j.value_and_grad(loss)(v)
+        return grads["params"]["kernel"], f8j.update(v, obs)
+
+    for x, g in zip(xs, gs, strict=True):
+        xt = torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16), f8t.autocast(recipe=recipe):
+            y = lin(xt)
+        y.backward(torch.from_numpy(g.astype(np.float32)).to(torch.bfloat16))
+        dw_j, v = step(v, jnp.asarray(x), jnp.asarray(g))
+        meta, fw, bw = v["fp8_meta"]["meta"], lin.fp8_meta.forward, lin.fp8_meta.backward
+        for j, t in ((meta.forward, fw), (meta.backward, bw)):
+            np.testing.assert_array_equal(np.asarray(j.amax_history), t.amax_history.numpy())
+            np.testing.assert_array_equal(np.asarray(j.scale), t.scale.numpy())
+        assert dw_j.dtype == jnp.float32 and lin.weight.grad.dtype == torch.float32
+        np.testing.assert_allclose(
+            np.asarray(dw_j), lin.weight.grad.T.numpy(), rtol=1e-5, atol=1e-6
+        )
+        lin.weight.grad = None
+    assert float(meta.forward.amax_history[1, 1]) == np.float32(1.0625 + 2.0**-12)

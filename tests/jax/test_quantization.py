@@ -119,6 +119,27 @@ def test_bfloat16_and_float16_inputs(rng: np.random.Generator) -> None:
         assert q.dequantize(dt).dtype == dt
 
 
+@pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_a_half_precision_result_of_the_same_program_is_cast_as_stored(
+    rng: np.random.Generator, dt
+) -> None:
+    """XLA may keep a bfloat16 / float16 result in float32 within one compiled program
+    (``--xla_allow_excess_precision``, on by default); the cast and its amax must read the
+    stored (rounded) tensor, as the same cast of a materialised array does (SPEC section 2)."""
+    x = jnp.asarray(rng.uniform(-2, 2, (64, 64)), dt)
+
+    def activation(a: jax.Array) -> jax.Array:
+        return jnp.tanh(a) * jnp.asarray(3.1, dt)
+
+    for fmt, dtype in FORMATS:
+        for cast in (f8.quantize, lambda a, s, d: f8.quantize_current(a, d)):
+            fused = jax.jit(lambda a, c=cast, d=dtype: c(activation(a), 37.0, d))(x)
+            stored = activation(x)  # op by op: every result is materialised in dt
+            want = cast(stored, 37.0, dtype)
+            assert np.array_equal(bits(fused.data), bits(want.data)), (fmt, cast)
+            assert float(fused.amax) == float(want.amax) == float(jnp.abs(stored).max())
+
+
 def test_quantize_current_uses_fmax_over_own_amax(rng: np.random.Generator) -> None:
     x = random_fp8_friendly(rng, (40,))
     amax = float(np.abs(x).max())
