@@ -22,6 +22,7 @@ Two platform facts (see ``docs/decisions/0102-jax-numerics-parity.md``):
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -216,13 +217,13 @@ def as_scale(scale: Any, name: str = "scale") -> jax.Array:
     """``scale`` as a float32 0-d array: a Python number checked by
     :func:`~fp8kit.formats.check_scale_number`, or a float32 one-element array (not read on the
     host, so not range-checked). ``name`` is the argument named in errors."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, jax.Array, np.ndarray)):
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):  # numpy scalars too
+        return jnp.asarray(check_scale_number(scale, name), jnp.float32)
+    if not isinstance(scale, (jax.Array, np.ndarray)):
         raise TypeError(
-            f"{name} must be a float or a float32 array with one element, got "
+            f"{name} must be a number or a float32 array with one element, got "
             f"{type(scale).__name__}"
         )
-    if isinstance(scale, (int, float)):
-        return jnp.asarray(check_scale_number(scale, name), jnp.float32)
     if scale.dtype != jnp.float32 or scale.size != 1:
         raise TypeError(
             f"{name} must be a float32 array with one element, got dtype {scale.dtype} and "

@@ -94,7 +94,7 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
         weight = self.in_proj_weight if self._qkv_same_embed_dim else self.q_proj_weight
         if current_settings() is not None:
             self._check_inputs(query, key, value, key_padding_mask, attn_mask)
-        run = fp8_run_for(self, query, self.embed_dim, weight, "query")
+        run = fp8_run_for(self, query, self.embed_dim, weight, "query", "embed_dim")
         if run is None:
             return super().forward(
                 query,

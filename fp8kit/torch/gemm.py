@@ -70,8 +70,16 @@ def _check_scale(name: str, scale: torch.Tensor, device: torch.device) -> None:
 
 
 def check_gemm_contract(a: Float8Tensor, b: Float8Tensor) -> None:
-    """Raise :class:`Fp8GemmContractError` unless ``a @ b`` meets the cuBLASLt contract."""
+    """Raise :class:`Fp8GemmContractError` unless ``a @ b`` meets the cuBLASLt contract (a
+    TypeError for operands that are not :class:`Float8Tensor` s of tensors)."""
     for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, Float8Tensor):
+            raise TypeError(f"{name} must be a Float8Tensor, got {type(t).__name__}")
+        if not isinstance(t.scale_inv, torch.Tensor):
+            raise TypeError(
+                f"{name}.scale_inv must be a float32 tensor with one element, got "
+                f"{type(t.scale_inv).__name__}"
+            )
         if t.data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise Fp8GemmContractError(
                 f"{name}.data must be torch.float8_e4m3fn or torch.float8_e5m2, got {t.data.dtype}"
@@ -434,7 +442,10 @@ def fp8_matmul(
     m, n = check_matmul_args(
         a.shape, b.shape, activation, out_scale is not None, out_fp8_dtype is not None
     )
-    y = padded_mm(a, b, torch.float32)
+    if m and n and a.shape[1]:
+        y = padded_mm(a, b, torch.float32)
+    else:  # an empty product (as torch.mm: a sum over K = 0 is 0); no GEMM has empty sizes
+        y = torch.zeros(m, n, dtype=torch.float32, device=a.data.device)
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.shape not in ((n,), (m, n)):
             raise ValueError(

@@ -122,9 +122,12 @@ class _FP8Block(FP8StateOwner, nn.Module):
             self.fp8_meta.reset_values()
             self._weight_cache = [None] * len(self.fp8_gemm_names)
 
-    def _fp8_run(self, x: torch.Tensor, in_features: int, ref: torch.Tensor) -> FP8Run | None:
-        """The FP8 run for this call, or None to take the plain high-precision path."""
-        return fp8_run_for(self, x, in_features, ref)
+    def _fp8_run(
+        self, inp: torch.Tensor, in_features: int, ref: torch.Tensor, width_name: str
+    ) -> FP8Run | None:
+        """The FP8 run for this call, or None to take the plain high-precision path
+        (``width_name``: the attribute holding ``in_features``, for messages)."""
+        return fp8_run_for(self, inp, in_features, ref, "inp", width_name)
 
     def _cached_weights(
         self, run: FP8Run, is_first_microbatch: bool | None, weights: list[torch.Tensor]
@@ -156,9 +159,9 @@ class LayerNormLinear(_FP8Block):
             docs/te_modules.md).
         device, dtype: of the parameters and FP8 state (``params_dtype``: TE's name for dtype).
 
-    Shapes: ``x`` ``(*, in_features)`` -> ``y`` ``(*, out_features)``.
+    Shapes: ``inp`` ``(*, in_features)`` -> ``y`` ``(*, out_features)``.
     State: ``fp8_meta`` with one GEMM (forward ``(L, 3)``, backward ``(L, 2)``), as
-    :class:`fp8kit.torch.Linear`. ``forward(x, is_first_microbatch=None)`` caches the FP8 weight
+    :class:`fp8kit.torch.Linear`. ``forward(inp, is_first_microbatch=None)`` caches the FP8 weight
     across microbatches like ``Linear``.
     """
 
@@ -208,12 +211,14 @@ class LayerNormLinear(_FP8Block):
         self._reset_fp8()
 
     def forward(  # type: ignore[override]
-        self, x: torch.Tensor, is_first_microbatch: bool | None = None
+        self, inp: torch.Tensor, is_first_microbatch: bool | None = None
     ) -> torch.Tensor:
-        """``(*, in_features)`` -> ``(*, out_features)``."""
+        """``(*, in_features)`` -> ``(*, out_features)`` (``inp``: Transformer Engine's name)."""
         check_is_first_microbatch(is_first_microbatch)
-        run = self._fp8_run(x, self.in_features, self.weight)
-        h = normalize(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps)
+        run = self._fp8_run(inp, self.in_features, self.weight, "in_features")
+        h = normalize(
+            inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
+        )
         if run is None:
             return F.linear(h, self.weight, self.bias)
         (cached,) = self._cached_weights(run, is_first_microbatch, [self.weight])
@@ -313,12 +318,14 @@ class LayerNormMLP(_FP8Block):
         self._reset_fp8()
 
     def forward(  # type: ignore[override]
-        self, x: torch.Tensor, is_first_microbatch: bool | None = None
+        self, inp: torch.Tensor, is_first_microbatch: bool | None = None
     ) -> torch.Tensor:
-        """``(*, hidden_size)`` -> ``(*, hidden_size)``."""
+        """``(*, hidden_size)`` -> ``(*, hidden_size)`` (``inp``: Transformer Engine's name)."""
         check_is_first_microbatch(is_first_microbatch)
-        run = self._fp8_run(x, self.hidden_size, self.fc1_weight)
-        h = normalize(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps)
+        run = self._fp8_run(inp, self.hidden_size, self.fc1_weight, "hidden_size")
+        h = normalize(
+            inp, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps
+        )
         if run is None:
             h = F.linear(h, self.fc1_weight, self.fc1_bias)
             return F.linear(activate(h, self.activation), self.fc2_weight, self.fc2_bias)

@@ -201,13 +201,19 @@ def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def fp8_run_for(
-    module: nn.Module, x: torch.Tensor, in_features: int, param: torch.Tensor, name: str = "x"
+    module: nn.Module,
+    x: torch.Tensor,
+    in_features: int,
+    param: torch.Tensor,
+    name: str = "x",
+    width_name: str = "in_features",
 ) -> FP8Run | None:
     """Validate ``x`` for an FP8 module call and return its run, or None for high precision.
 
     ``module`` owns ``fp8_meta`` and ``_run_cache``; ``param`` is one of its parameters (for the
-    device check); ``name`` is the forward argument ``x`` is, for messages. None outside an
-    enabled autocast and for empty inputs.
+    device check); ``name`` is the forward argument ``x`` is and ``width_name`` the module's
+    attribute holding ``in_features``, for messages. None outside an enabled autocast and for
+    empty inputs.
     """
     settings = current_settings()
     if settings is None:
@@ -223,7 +229,7 @@ def fp8_run_for(
     if x.shape[-1:] != (in_features,):
         raise ValueError(
             f"{name} must have shape (*, {in_features}) for this {type(module).__name__} "
-            f"(in_features={in_features}), got {tuple(x.shape)}"
+            f"({width_name}={in_features}), got {tuple(x.shape)}"
         )
     if not _same_device(x, param):
         raise ValueError(

@@ -7,6 +7,7 @@ is ``max |x|`` of the unscaled input with NaN ignored (0 for an empty or all-NaN
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -197,10 +198,10 @@ def as_scale_tensor(
     """``scale`` as a float32 0-d tensor on ``device``: a Python number checked by
     :func:`~fp8kit.formats.check_scale_number`, or a float32 one-element tensor already there
     (not read on the host, so not range-checked). ``name`` is the argument named in errors."""
-    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):  # numpy scalars too
         return torch.tensor(check_scale_number(scale, name), dtype=torch.float32, device=device)
     if not isinstance(scale, torch.Tensor):
-        raise TypeError(f"{name} must be a float or a float32 tensor, got {type(scale).__name__}")
+        raise TypeError(f"{name} must be a number or a float32 tensor, got {type(scale).__name__}")
     if scale.dtype != torch.float32 or scale.numel() != 1:
         raise TypeError(
             f"{name} must be a float32 tensor with one element, got dtype {scale.dtype} and "

@@ -212,11 +212,13 @@ class TransformerLayer(nn.Module):
             return None
         if attention_mask is None:
             raise ValueError("self_attn_mask_type='padding' needs an attention_mask")
-        if attention_mask.dtype != torch.bool:
-            raise TypeError(
-                "attention_mask must be a bool tensor (True = masked out), got "
-                f"{attention_mask.dtype}"
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+            got = (
+                attention_mask.dtype
+                if isinstance(attention_mask, torch.Tensor)
+                else type(attention_mask).__name__
             )
+            raise TypeError(f"attention_mask must be a bool tensor (True = masked out), got {got}")
         full = (b, self.num_attention_heads, s, s)
         try:
             fits = torch.broadcast_shapes(attention_mask.shape, full) == full

@@ -104,7 +104,7 @@ def test_refused_operands() -> None:
     with pytest.raises(ValueError, match="with out_scale the result is FP8"):
         f8.fp8_matmul(q, b, out_dtype=jnp.bfloat16, out_scale=1.0)
     for scale in (0.0, -1.0, float("nan"), float("inf"), True):
-        with pytest.raises((ValueError, TypeError), match=r"^out_scale must be a f"):
+        with pytest.raises((ValueError, TypeError), match=r"^out_scale must be a (finite )?number"):
             f8.fp8_matmul(q, b, out_scale=scale)
 
 

@@ -187,6 +187,13 @@ def test_bad_inputs_name_the_parameter() -> None:
         f8.dequantize(f8.quantize(x, 1.0, E4M3), jnp.int8)
 
 
+def test_a_numpy_scalar_scale_is_a_number() -> None:
+    """``np.float32(0.25)`` was refused as "not a float" although it is one (and checked as one)."""
+    assert float(f8.quantize(np.ones(3, np.float32), np.float32(0.25), E4M3).scale_inv) == 4.0
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        f8.quantize(np.ones(3, np.float32), np.float32(0.0), E4M3)
+
+
 @pytest.mark.parametrize(
     "scale", [0.0, -1.0, -2, float("nan"), float("inf"), 1e39, 1e-39], ids=repr
 )

@@ -178,7 +178,7 @@ def test_fp8_matmul_bad_input() -> None:
     with pytest.raises(ValueError, match="with out_scale the result is FP8"):
         f8.fp8_matmul(a, b, out_dtype=torch.bfloat16, out_scale=1.0)
     for scale in (0.0, -2.0, math.nan, math.inf, True):
-        with pytest.raises((ValueError, TypeError), match=r"^out_scale must be a f"):
+        with pytest.raises((ValueError, TypeError), match=r"^out_scale must be a (finite )?number"):
             f8.fp8_matmul(a, b, out_scale=scale)
     with pytest.raises(TypeError, match=r"a.data's dtype must be one of"):
         f8.fp8_matmul(f8.Float8Tensor(torch.randn(16, 32), a.scale_inv), b)
@@ -188,6 +188,26 @@ def test_fp8_matmul_bad_input() -> None:
         f8.scaled_mm(_fp8(torch.randn(16, 0)), _fp8(torch.randn(16, 0)).t())
     with pytest.raises(Fp8GemmContractError, match=r"a.data must be torch.float8_e4m3fn"):
         f8.scaled_mm(f8.Float8Tensor(torch.randn(16, 32), a.scale_inv), b)
+    # A plain tensor was named by its .data dtype, a float scale_inv failed with AttributeError.
+    with pytest.raises(TypeError, match=r"^a must be a Float8Tensor, got Tensor"):
+        f8.scaled_mm(torch.randn(16, 32), b)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^b.scale_inv must be a float32 tensor .* got float"):
+        f8.scaled_mm(a, f8.Float8Tensor(b.data, 1.0))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(0, 32, 16), (8, 0, 16), (8, 32, 0), (0, 0, 0)])
+def test_fp8_matmul_of_empty_operands_is_torch_mm_s(m: int, k: int, n: int) -> None:
+    """Empty sizes raised the GEMM contract's error; ``torch.mm`` gives an empty product (a sum
+    over K = 0 is 0), then bias, activation and the optional FP8 output follow as usual."""
+    a, b = _fp8(torch.randn(m, k)), _fp8(torch.randn(k, n))
+    bias = torch.linspace(-1.0, 1.0, n)
+    y = f8.fp8_matmul(a, b, bias=bias, activation="relu", out_dtype=torch.bfloat16)
+    want = torch.relu(torch.mm(torch.zeros(m, k), torch.zeros(k, n)) + bias)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want.to(torch.bfloat16))
+    q = f8.fp8_matmul(a, b, bias=bias, activation="relu", out_scale=2.0)
+    assert q.data.shape == (m, n) and q.data.dtype == torch.float8_e4m3fn
+    assert torch.equal(q.data.float(), (want * 2).to(torch.float8_e4m3fn).float())
+    assert float(q.amax) == (float(want.abs().max()) if want.numel() else 0.0)
 
 
 def test_linear_is_backend_independent(backend: str) -> None:

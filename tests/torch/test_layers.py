@@ -565,10 +565,16 @@ def test_forward_errors() -> None:
     block = LayerNormMLP(8, 16)
     with pytest.raises(TypeError, match="is_first_microbatch"):
         block(torch.randn(2, 8), is_first_microbatch=1)
-    with pytest.raises(ValueError, match=r"\(\*, 8\)"), f8.autocast():
+    # The message named nn.Linear's in_features; TE's forward argument is inp.
+    shape = r"^inp must have shape \(\*, 8\) .*hidden_size=8"
+    with pytest.raises(ValueError, match=shape), f8.autocast():
         block(torch.randn(2, 9))
-    with pytest.raises(TypeError, match="x must have dtype"), f8.autocast():
+    with pytest.raises(TypeError, match="inp must have dtype"), f8.autocast():
         block(torch.randn(2, 8).double())
+    x = torch.randn(2, 8)
+    for module in (block, LayerNormLinear(8, 4)):
+        with f8.autocast():
+            assert torch.equal(module(inp=x), module(x))
 
 
 def test_empty_input_and_repr() -> None:

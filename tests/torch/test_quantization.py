@@ -134,7 +134,7 @@ def test_bad_input_messages() -> None:
         f8.quantize(torch.arange(4), 1.0, torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="scale must be a float32 tensor"):
         f8.quantize(x, torch.tensor([1.0, 2.0]), torch.float8_e4m3fn)
-    with pytest.raises(TypeError, match="scale must be a float"):
+    with pytest.raises(TypeError, match="scale must be a number or a float32 tensor, got str"):
         f8.quantize(x, "2", torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="dtype must be"):
         f8.quantize(x, 1.0, torch.float8_e4m3fn).dequantize(torch.int8)
@@ -162,6 +162,13 @@ def test_dequantize_checks_its_float8_tensor() -> None:
             f8.Float8Tensor(q.data[:, :2], bad).dequantize()
     nested = f8.Float8Tensor(q.data, torch.tensor([[[0.5]]]))
     assert torch.equal(nested.dequantize(), q.data.float() * 0.5)
+
+
+def test_a_numpy_scalar_scale_is_a_number() -> None:
+    """``np.float32(0.25)`` was refused as "not a float" although it is one (and checked as one)."""
+    assert float(f8.quantize(torch.ones(4), np.float32(0.25), torch.float8_e4m3fn).scale_inv) == 4.0
+    with pytest.raises(ValueError, match="scale must be a finite number"):
+        f8.quantize(torch.ones(4), np.float32(0.0), torch.float8_e4m3fn)
 
 
 BAD_SCALES = [0, 0.0, -0.0, -1.0, -3, math.nan, math.inf, -math.inf, 1e39, 1e-39, 2.0**-127]

@@ -294,6 +294,8 @@ def test_masks_and_inputs_are_checked() -> None:
         padding(x)
     with pytest.raises(TypeError, match="attention_mask must be a bool tensor"):
         padding(x, torch.zeros(B, 1, 1, S))
+    with pytest.raises(TypeError, match=r"attention_mask must be a bool tensor .* got list"):
+        padding(x, [[True]])  # an AttributeError before
     with pytest.raises(
         ValueError, match=r"attention_mask must have shape \[b, 1, 1, s\] = \[3, 1, 1, 6\]"
     ):
