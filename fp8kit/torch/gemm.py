@@ -71,7 +71,8 @@ def _check_scale(name: str, scale: torch.Tensor, device: torch.device) -> None:
 
 def check_gemm_contract(a: Float8Tensor, b: Float8Tensor) -> None:
     """Raise :class:`Fp8GemmContractError` unless ``a @ b`` meets the cuBLASLt contract (a
-    TypeError for operands that are not :class:`Float8Tensor` s of tensors)."""
+    TypeError for an operand that is not a :class:`Float8Tensor` or whose ``scale_inv`` is not a
+    tensor)."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, Float8Tensor):
             raise TypeError(f"{name} must be a Float8Tensor, got {type(t).__name__}")
