@@ -100,6 +100,20 @@ class _Fp8LayerMixin:
                 "construct the layer with recipe=None to use LoRA"
             )
 
+    def quantize(self, mode: Any = None, type_check: bool = True, **kwargs: Any) -> None:
+        """Keras's own quantization (``layer.quantize`` / ``Model.quantize``: int8, float8, ...)
+        is refused for a layer with an FP8 recipe: it would stack Keras's quantized kernel and
+        its float8 scales on fp8kit's GEMM and state (``type_check=False`` got past Keras's
+        subclass check). ``Model.quantize`` turns this error into its usual warning and leaves
+        the layer as it is. With ``recipe=None`` the layer is Keras's and quantizes as Keras's."""
+        if getattr(self, "recipe", None) is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__} {self.name!r} computes in FP8 with fp8kit's recipe; "  # type: ignore[attr-defined]
+                f"Keras quantization mode {mode!r} cannot be added to it (construct the layer "
+                "with recipe=None to quantize it with Keras)"
+            )
+        super().quantize(mode=mode, type_check=type_check, **kwargs)  # type: ignore[misc]
+
     def _fp8_gemm(self, inputs: Any, kernel: Any, training: Any) -> Any:
         dtype = keras.backend.standardize_dtype(inputs.dtype)
         if dtype not in INPUT_DTYPES:

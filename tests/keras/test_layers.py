@@ -268,6 +268,26 @@ def test_bad_input_raises_clear_errors(rng, tmp_path) -> None:
         model.save(str(tmp_path / "m.keras"))
 
 
+def test_keras_quantization_of_an_fp8_layer_is_refused_and_leaves_it_fp8() -> None:
+    """``Model.quantize("float8", type_check=False)`` stacked Keras's float8 variables and
+    quantization mode on an fp8kit layer; now the layer refuses, ``Model.quantize`` warns as it
+    does for any layer it cannot quantize, and a ``recipe=None`` layer quantizes as Keras's."""
+    for cls, args in ((f8.Dense, (4,)), (f8.EinsumDense, ("ab,bc->ac", 4))):
+        layer = cls(*args)
+        model = keras.Sequential([keras.Input((8,)), layer])
+        n_weights = len(layer.weights)
+        for mode in ("float8", "int8"):
+            with pytest.warns(UserWarning, match=f"Keras quantization mode '{mode}' cannot"):
+                model.quantize(mode, type_check=False)
+            with pytest.raises(NotImplementedError, match="construct the layer with recipe=None"):
+                layer.quantize(mode)
+        assert layer.quantization_mode is None and len(layer.weights) == n_weights
+        model.predict(np.ones((2, 8), np.float32), verbose=0)
+    plain = f8.Dense(4, recipe=None)
+    keras.Sequential([keras.Input((8,)), plain]).quantize("int8", type_check=False)
+    assert plain.quantization_mode == "int8"
+
+
 def test_autocast_sets_construction_defaults_only() -> None:
     recipe = f8.DelayedScaling(amax_history_len=7)
     with f8.autocast(recipe=recipe, gradient_accumulation_steps=2):
