@@ -180,7 +180,12 @@ def master_weight(param: jax.Array, promoted: jax.Array) -> jax.Array:
 def nan_ignoring_amax(x: jax.Array) -> jax.Array:
     """``max |x|`` over all elements with NaN ignored, as a float32 0-d array (0 if none);
     ``x`` as stored (:func:`stored`)."""
-    a = jnp.abs(stored(x))
+    return _amax_of_stored(stored(x))
+
+
+def _amax_of_stored(x: jax.Array) -> jax.Array:
+    """:func:`nan_ignoring_amax` of an ``x`` that :func:`stored` has rounded already."""
+    a = jnp.abs(x)
     a = jnp.where(jnp.isnan(a), jnp.zeros((), a.dtype), a)
     return jnp.max(a, initial=jnp.zeros((), a.dtype)).astype(jnp.float32)
 
@@ -210,7 +215,7 @@ def cast_to_fp8(x: jax.Array, scale: jax.Array, fmt: FP8Format) -> tuple[jax.Arr
     scaled = x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32).reshape(())
     scaled = jnp.clip(scaled, -fmt.max, fmt.max)  # saturate; +-inf -> +-fmax; NaN stays NaN
     data = _canonical_nan(scaled.astype(jnp_dtype_of(fmt)), scaled, fmt)
-    return data, nan_ignoring_amax(x)
+    return data, _amax_of_stored(x)
 
 
 def as_scale(scale: Any, name: str = "scale") -> jax.Array:
