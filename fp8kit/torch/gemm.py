@@ -389,7 +389,9 @@ def padded_mm(
         bias = F.pad(bias, (0, b_p.shape[1] - n))
     out = scaled_mm(a_p, b_p, out_dtype, bias=bias, use_fast_accum=use_fast_accum)
     if out.shape != (m, n):
-        out = out[:m, :n].contiguous()
+        # A copy, never a view of the padded result: a layer's output must accept in-place ops
+        # (``nn.ReLU(inplace=True)``), which autograd refuses on views made inside a Function.
+        out = out[:m, :n].clone(memory_format=torch.contiguous_format)
     return out
 
 

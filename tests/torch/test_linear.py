@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -223,6 +225,36 @@ def test_any_leading_shape() -> None:
     assert x.grad.shape == x.shape
     ref = qdq(x.reshape(-1, 24), 1.0, E4M3) @ qdq(layer.weight, 1.0, E4M3).T
     assert _rel(y.reshape(-1, 40) - layer.bias, ref) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [4, 16])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: f8.Linear(16, 32),
+        lambda: f8.Linear(16, 24),
+        lambda: f8.Linear(20, 16, bias=False),
+        lambda: f8.LayerNormLinear(16, 32),
+        lambda: f8.LayerNormMLP(16, 32),
+    ],
+    ids=["Linear", "Linear-unaligned-N", "Linear-unaligned-K", "LayerNormLinear", "LayerNormMLP"],
+)
+def test_output_accepts_in_place_ops(make, rows: int) -> None:
+    """A drop-in layer's output takes ``nn.ReLU(inplace=True)`` for every row count, also the
+    ones the GEMM pads to 16 (ADR 0248), with the gradients of the out-of-place op."""
+    torch.manual_seed(rows)
+    layer = make()
+    twin = copy.deepcopy(layer)
+    x = torch.randn(rows, layer.weight.shape[1] if isinstance(layer, f8.Linear) else 16)
+    grads = []
+    for module, in_place in ((layer, True), (twin, False)):
+        with f8.autocast():
+            y = module(x)
+        y = y.relu_() if in_place else torch.relu(y)
+        (y * torch.arange(y.numel()).reshape(y.shape)).sum().backward()
+        grads.append([p.grad for p in module.parameters()])
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_bfloat16_parameters_and_activations() -> None:
