@@ -412,25 +412,39 @@ def _fp8_dot_fwd_rule(
     cfg: _Config, lhs: Any, rhs: Any, bias: Any, meta: Any
 ) -> tuple[tuple[jax.Array, Fp8Meta], tuple[Any, ...]]:
     """The fwd rule with symbolic zeros: the primals come wrapped with whether they are
-    differentiated; the residual of an operand nobody differentiates is dropped (None)."""
+    differentiated; the residual of an operand nobody differentiates is dropped
+    (:func:`_dropped`)."""
     meta_value = _values(meta)
     out, (x_saved, w_saved, obs, bwd_state) = _fp8_dot_fwd(
         cfg, lhs.value, rhs.value, _values(bias), meta_value
     )
     saved = (
-        x_saved if rhs.perturbed else None,  # wgrad's operand
-        w_saved if lhs.perturbed else None,  # dgrad's operand
+        x_saved if rhs.perturbed else _dropped(x_saved),  # wgrad's operand
+        w_saved if lhs.perturbed else _dropped(w_saved),  # dgrad's operand
         obs,
         bwd_state,
     )
     return out, (saved, meta_value)
 
 
+def _dropped(residual: Any) -> Any:
+    """A dropped residual: the same tree with every leaf an empty bool array. The tree must not
+    depend on which operands are differentiated: JAX may pair one call's residuals with another
+    call's residual tree (``jax.checkpoint`` reuses one traced body for equal input shapes;
+    decision 0248)."""
+    return jax.tree.map(lambda _: jnp.zeros((0,), jnp.bool_), residual)
+
+
+def _is_dropped(residual: Any) -> bool:
+    return all(leaf.dtype == jnp.bool_ and leaf.shape == (0,) for leaf in jax.tree.leaves(residual))
+
+
 def _fp8_dot_bwd_rule(cfg: _Config, res: tuple[Any, ...], cts: tuple[Any, Any]) -> tuple[Any, ...]:
     """The bwd rule with symbolic zeros. An unused output (zero ``dy``) needs no gradient GEMM
     or cast; an unused meta output gets zeros like the meta itself (which keep its
     ``shard_map`` variance, what ``_reduce`` compares the amaxes with)."""
-    saved, meta_value = res
+    (x_saved, w_saved, *rest), meta_value = res
+    saved = tuple(None if _is_dropped(r) else r for r in (x_saved, w_saved)) + tuple(rest)
     dy, meta_ct = cts
     meta_ct = jax.tree.map(
         lambda c, p: jnp.zeros_like(p) if isinstance(c, SymbolicZero) else c,
