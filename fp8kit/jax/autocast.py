@@ -28,7 +28,28 @@ class AutocastDefaults:
 
     enabled: bool
     recipe: Recipe
-    amax_reduction_axes: tuple[str, ...] | None
+    amax_reduction_axes: Any  # tuple[str, ...] | None, or UNSET when the autocast gives none
+
+
+class _Unset:
+    """Marker for a module field left to the autocast default (hashable, one instance)."""
+
+    _instance: _Unset | None = None
+
+    def __new__(cls) -> _Unset:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __reduce__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
+"""Default of a module's ``recipe`` / ``amax_reduction_axes``: take the autocast's value."""
 
 
 _local = threading.local()
@@ -52,7 +73,7 @@ def autocast(
     enabled: bool = True,
     recipe: Recipe | None = None,
     *,
-    amax_reduction_axes: tuple[str, ...] | None = None,
+    amax_reduction_axes: Any = UNSET,
 ) -> Iterator[AutocastDefaults]:
     """Make FP8 modules constructed inside this block default to ``recipe``.
 
@@ -60,14 +81,17 @@ def autocast(
         enabled: False makes modules constructed inside default to high precision.
         recipe: DelayedScaling or Float8CurrentScaling; None means ``DelayedScaling()``.
         amax_reduction_axes: default mesh axes for the amax all-reduce under ``shard_map``
-            (None = every axis the amax varies over).
+            (None = every axis the amax varies over); left out, a module keeps the axes its FP8
+            state was created with (docs/jax.md, "Distribution").
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {enabled!r}")
     frame = AutocastDefaults(
         enabled=enabled,
         recipe=check_recipe(DelayedScaling() if recipe is None else recipe),
-        amax_reduction_axes=_check_axes(amax_reduction_axes),
+        amax_reduction_axes=(
+            UNSET if amax_reduction_axes is UNSET else _check_axes(amax_reduction_axes)
+        ),
     )
     stack = _stack()
     stack.append(frame)
@@ -75,27 +99,6 @@ def autocast(
         yield frame
     finally:
         stack.pop()
-
-
-class _Unset:
-    """Marker for a module field left to the autocast default (hashable, one instance)."""
-
-    _instance: _Unset | None = None
-
-    def __new__(cls) -> _Unset:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "UNSET"
-
-    def __reduce__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Any = _Unset()
-"""Default of a module's ``recipe`` / ``amax_reduction_axes``: take the autocast's value."""
 
 
 def resolve_defaults(recipe: Any, axes: Any) -> tuple[Any, Any]:

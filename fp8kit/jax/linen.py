@@ -16,6 +16,7 @@ state a layer is exactly its ``flax.linen`` counterpart in high precision.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import flax.linen as nn
@@ -101,6 +102,10 @@ class _Fp8Layer(nn.Module):
                 f"{self._where()!r} was constructed with recipe {recipe} but its FP8 state "
                 f"belongs to {meta.recipe}; convert the state with fp8kit.jax.with_recipe"
             )
+        if axes is not UNSET and axes != meta.amax_reduction_axes:
+            # A configuration, not state: the field (or its autocast) wins over the axes the
+            # state was created with (docs/jax.md, "Distribution"; decision 0248).
+            meta = replace(meta, amax_reduction_axes=axes)
         return meta, mutable
 
     def _where(self) -> str:

@@ -211,3 +211,35 @@ def test_spec10_14_two_ranks() -> None:
     with pytest.raises(ValueError, match="reduce_amax=False"):
         run_bad = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("rank")), out_specs=P()))
         run_bad(local, x)
+
+
+def test_linen_axes_field_and_autocast_override_the_state_axes() -> None:
+    """A Dense whose state was created without axes (an init outside the mesh, a checkpoint),
+    applied under shard_map(check_vma=False) with the axes given on the layer or by the
+    autocast it was built in: the amax is reduced over them. The field used to be ignored
+    there, recording device 0's amax 0 for a global amax 5 (decision 0248)."""
+    mesh = _mesh((4,), ("data",))
+    recipe = f8.DelayedScaling(amax_history_len=4)
+    x = jnp.zeros((8, 16)).at[7, 0].set(5.0)  # the global max sits on the last device only
+    variables = Dense(8, recipe=recipe).init(jax.random.key(0), x)
+    assert variables["fp8_meta"]["meta"].amax_reduction_axes is None
+    with f8.autocast(recipe=recipe, amax_reduction_axes=("data",)):
+        from_autocast = Dense(8)
+    with f8.autocast(recipe=recipe):  # an autocast without axes leaves the state's axes
+        unset = Dense(8)
+    layers = {"field": Dense(8, recipe=recipe, amax_reduction_axes=("data",))}
+    layers |= {"autocast": from_autocast, "state": unset}
+
+    def recorded(layer):
+        def body(v, x):
+            _, _, obs = f8.value_and_grad(lambda v: jnp.sum(layer.apply(v, x)))(v)
+            return f8.update(v, obs)
+
+        run = jax.shard_map(
+            body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False
+        )
+        return float(jax.jit(run)(variables, x)["fp8_meta"]["meta"].forward.amax_history[-1, 0])
+
+    assert recorded(layers["field"]) == 5.0
+    assert recorded(layers["autocast"]) == 5.0
+    assert recorded(layers["state"]) == 0.0  # no axes anywhere: device 0's own amax, as documented
