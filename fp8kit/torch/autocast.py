@@ -494,7 +494,13 @@ def fp8_autocast(
 # Backward updates: one per backward pass, after the last FP8 backward node has run.
 
 _backward_lock = threading.Lock()
+# The (recipe, group) events every backward pass runs, in first-arming order, and the states each
+# pass reached. An entry stays armed after its event, so every backward pass of a step runs the
+# same events on every rank (several passes after one forward, or microbatches whose forwards all
+# ran before their backwards); the first training forward exit after a pass starts the next
+# step's set (decision 0248).
 _backward_pending: _Pending = {}
+_backward_pass_ran = False
 # The autograd graph task (``torch._C._current_graph_task_id()``) whose end runs the pending
 # backward events, None when no callback is queued. A pass that raised never runs its callback:
 # the next pass, another task, queues its own, and its event takes the failed pass's staged
@@ -502,24 +508,38 @@ _backward_pending: _Pending = {}
 _backward_callback_task: int | None = None
 
 
+def _take_backward_events() -> list[_PendingUpdate]:
+    """The armed events with the states staged for them, leaving each entry armed and empty.
+    Call with ``_backward_lock`` held."""
+    taken = list(_backward_pending.values())
+    for key, entry in _backward_pending.items():
+        _backward_pending[key] = _PendingUpdate(entry.recipe, entry.group, entry.direction)
+    return taken
+
+
 def _flush_backward_updates() -> None:
-    global _backward_callback_task
+    global _backward_callback_task, _backward_pass_ran
     with _backward_lock:
-        pending = list(_backward_pending.values())
-        _backward_pending.clear()
+        events = _take_backward_events()
         _backward_callback_task = None
-    for entry in pending:
+        _backward_pass_ran = True
+    for entry in events:
         entry.run()
 
 
 def _arm_backward_update(recipe: DelayedScaling, group: Any) -> None:
-    """Make the next backward pass run the backward event of ``(recipe, group)``.
+    """Make the backward passes of this step run the backward event of ``(recipe, group)``.
 
     With amax reduction this keeps ranks in step when a backward pass reaches modules of
     ``(recipe, group)`` on some ranks only (the pass must reach some FP8 module on every rank).
     Without reduction an event with no states is a no-op.
     """
+    global _backward_pass_ran
     with _backward_lock:
+        if _backward_pass_ran:  # a new step: its forwards arm its events (staged states stay)
+            for key in [k for k, entry in _backward_pending.items() if not entry.states]:
+                del _backward_pending[key]
+            _backward_pass_ran = False
         _pending_entry(_backward_pending, recipe, group, "backward")
 
 

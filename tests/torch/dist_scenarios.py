@@ -300,6 +300,41 @@ def scenario_skipped_backward(rank: int, world: int, workdir: str) -> dict[str, 
     return {"message": message}
 
 
+def scenario_backward_passes_of_one_step(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """Every backward pass of a step runs the events the step's forwards armed, on every rank,
+    with an expert under a second recipe that runs on rank 0 only after step 0: steps 0-2 run
+    two backward passes after one forward (``retain_graph``), steps 3-5 two microbatch forwards
+    and then their two backward passes. The second pass used to run the expert's event on rank 0
+    only: a wrong "recipes differ" error, or a hang (decision 0248)."""
+    torch.manual_seed(0)
+    gate, expert = f8.Linear(16, 16), f8.Linear(16, 16)
+    dense_recipe, expert_recipe = _recipe(23), _recipe(24)
+
+    def forward(amax: float, expert_runs: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        with f8.autocast(recipe=dense_recipe):
+            h = gate(_x(amax))
+            with f8.autocast(recipe=expert_recipe):
+                e = expert(h) if expert_runs else torch.zeros_like(h)
+        return h, e
+
+    error = None
+    try:
+        for step in range(3):
+            h, e = forward(1.0 + rank + step, step == 0 or rank == 0)
+            (h + e).square().mean().backward(retain_graph=True)
+            ((h * e).mean() + h.mean()).backward()
+        for step in range(3, 6):
+            microbatches = [forward(1.0 + rank + step, mb == 0 or rank == 0) for mb in range(2)]
+            for h, e in microbatches:
+                (h + e).square().mean().backward()
+    except AmaxReductionError as exc:
+        error = str(exc)
+    out = {"reduction_error": error, "gate": _meta(gate), "expert": _meta(expert)}
+    gate = expert = None  # the closure's cells hold them: free the modules before _cleanup
+    _cleanup()
+    return out
+
+
 def scenario_registry_changes(rank: int, world: int, workdir: str) -> dict[str, Any]:
     """A module added on all ranks in step 2 and deleted in step 4: re-checked, no error."""
     torch.manual_seed(0)
@@ -444,11 +479,16 @@ def scenario_ddp_independent(rank: int, world: int, workdir: str) -> dict[str, A
     model = f8.convert_model(mlp())
     ignored = ddp_ignore_fp8_state(model)
     ddp = DDP(model)  # broadcast_buffers=True: would overwrite ranks' FP8 states otherwise
+    try:
+        ddp_ignore_fp8_state(ddp)  # too late: DDP read its ignore list at construction
+        on_wrapper = None
+    except TypeError as exc:
+        on_wrapper = str(exc)
     x, t = shard(rank, world)
     run = _train(ddp, recipe, x, t, 2, lambda m: [])
     del ddp, model
     _cleanup()
-    return {"run": run, "ignored": ignored}
+    return {"run": run, "ignored": ignored, "on_wrapper": on_wrapper}
 
 
 def _cpu_mesh(world: int) -> Any:
@@ -626,6 +666,7 @@ SCENARIOS_2 = [
     scenario_mismatch_first_step,
     scenario_mismatch_later_step,
     scenario_registry_changes,
+    scenario_backward_passes_of_one_step,
     scenario_no_grad_leftover,
     scenario_ddp,
     scenario_ddp_independent,

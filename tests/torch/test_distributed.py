@@ -11,6 +11,7 @@ Every job has a hard time limit, so a hang fails the test instead of stalling th
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +210,18 @@ def test_a_skipped_backward_pass_raises_on_every_rank(two: list) -> None:
     assert messages[0] == messages[1]
 
 
+def test_every_backward_pass_of_a_step_runs_the_armed_events(two: list) -> None:
+    per_rank = scenario_result(two, "scenario_backward_passes_of_one_step")
+    assert [res["reduction_error"] for res in per_rank] == [None, None]
+    assert per_rank[0] == per_rank[1]
+    # Two backward events per step for six steps, for both modules, also on rank 1, where the
+    # expert's gradient ran only in step 0 and in the first microbatches.
+    for name in ("gate", "expert"):
+        assert per_rank[1][name]["backward"]["count"][GRAD_OUTPUT] == 12.0
+    # The expert's forward: one event per forward exit (3 steps, then 2 per step).
+    assert per_rank[1]["expert"]["forward"]["count"][INPUT] == 9.0
+
+
 def test_registry_change_on_all_ranks_is_rechecked(two: list) -> None:
     per_rank = scenario_result(two, "scenario_registry_changes")
     assert per_rank[0]["steps"] == per_rank[1]["steps"]
@@ -277,6 +290,8 @@ def test_compiled_ddp_trains_like_eager_ddp(two: list) -> None:
 def test_ddp_without_reduction_keeps_rank_states(two: list) -> None:
     per_rank = scenario_result(two, "scenario_ddp_independent")
     assert per_rank[0]["ignored"][0] == "0.fp8_meta.forward.amax_history"
+    # Called on the wrapper it used to return the names and change nothing (decision 0248).
+    assert "before wrapping" in per_rank[0]["on_wrapper"]
     # Inputs differ (rank 1's rows are 4x larger): each rank's history holds only the amaxes it
     # saw itself; DDP's buffer broadcast would have put rank 0's into rank 1's older rows.
     for rank, res in enumerate(per_rank):
@@ -386,6 +401,34 @@ def test_init_fp8_state_sizes_states() -> None:
         init_fp8_state(model, f8.Float8CurrentScaling())
     with pytest.raises(TypeError, match="model"):
         init_fp8_state("not a model")  # type: ignore[arg-type]
+
+
+def test_init_fp8_state_on_the_meta_device_then_to_empty() -> None:
+    """The FSDP2 order (build on meta, convert, init_fp8_state, shard, to_empty) read the meta
+    history's values and failed (decision 0248); after to_empty the model trains like one built
+    on the CPU with the same recipe."""
+    recipe = DelayedScaling(amax_history_len=8)
+    torch.manual_seed(0)
+    reference = f8.convert_model(mlp())
+    init_fp8_state(reference, recipe)
+    with torch.device("meta"):
+        model = f8.convert_model(mlp())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a meta state is pristine: no resize warning
+        init_fp8_state(model, recipe)
+    assert model[0].fp8_meta.forward.amax_history.shape == (8, 3)
+    model.to_empty(device="cpu")
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(4, 16)
+    for m in (reference, model):
+        with f8.autocast(recipe=recipe):
+            m(x).square().sum().backward()
+    got = model.state_dict()
+    for name, value in reference.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(got[name], value, rtol=0, atol=0)
+        else:
+            assert got[name] == value, name
 
 
 def test_per_rank_keys_round_trip() -> None:
