@@ -28,6 +28,12 @@ def ddp_ignore_fp8_state(model: nn.Module) -> list[str]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        # DDP reads the ignore list once, at construction: a later call would change nothing.
+        raise TypeError(
+            "model is already wrapped in DistributedDataParallel, which read its list of buffers "
+            "to ignore at construction: call ddp_ignore_fp8_state(model) before wrapping"
+        )
     names = [
         f"{prefix}.{name}" if prefix else name
         for prefix, module in model.named_modules()

@@ -245,7 +245,10 @@ def describe_mismatch(described: Sequence[dict[str, Any]], ranks: Sequence[int])
         hints.append(
             "every FP8 module must run on every rank in the first step (and in the same order); "
             "a module that first runs in a later step must do so on all ranks at once. Modules "
-            "may be skipped on some ranks afterwards"
+            "may be skipped on some ranks afterwards. A deleted module must be freed on every "
+            "rank before the next event: one in a reference cycle (a torch.compile'd module) "
+            "waits for Python's cyclic collector, so call gc.collect() on every rank after "
+            "deleting it (docs/distributed.md, rule 6)"
         )
     return "; ".join(parts) + (": " + "; ".join(hints) if hints else "")
 

@@ -269,7 +269,10 @@ class ScalingState(nn.Module):
 
         The staging row does not count: resizing keeps it, so a state that has only recorded
         (e.g. a ``no_grad`` forward under a recipe with another history length) loses nothing.
+        A state on the ``meta`` device holds no values: pristine.
         """
+        if self.amax_history.is_meta:
+            return True
         return not bool(self.update_count.any()) and not bool(self.amax_history[1:].any())
 
     def set_history_len(self, length: int, reason: str) -> None:
