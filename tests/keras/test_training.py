@@ -211,6 +211,22 @@ def test_mirrored_strategy_reduces_amaxes_with_max(rng) -> None:
     with pytest.raises(ValueError, match=r"reduce_amax=False under a tf.distribute strategy"):
         strategy.run(tf.function(replica_no_reduce))
 
+    # The gradient in a tf.function nested inside the replica function: TensorFlow refuses the
+    # backward pass's cross-replica step there; the error says which step and what to do
+    # (it was TensorFlow's bare merge_call error, decision 0248).
+    @tf.function
+    def nested_gradient(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(mirrored(x, training=True))
+        return tape.gradient(loss, mirrored.kernel)
+
+    @tf.function
+    def outer_step():
+        return strategy.run(lambda: nested_gradient(tf.ones((2, 12))))
+
+    with pytest.raises(RuntimeError, match=r"fp8kit.keras: an FP8 layer's backward pass reduces"):
+        outer_step()
+
 
 def test_convert_model_keeps_the_trained_state_of_fp8_layers(rng) -> None:
     """Converting a model that already has FP8 layers (a second pass with another filter)

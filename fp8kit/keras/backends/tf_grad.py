@@ -51,6 +51,27 @@ def replica_max(amaxes: tf.Tensor, recipe: Any) -> tf.Tensor:
     return tf.reduce_max(ctx.all_gather(amaxes[None], axis=0), axis=0)
 
 
+_NESTED_FUNCTION_SYNC = "called while defining a new graph or a tf.function"
+
+
+def _observe_in_replica(state: Fp8State, amaxes: tf.Tensor, recipe: Any) -> None:
+    """``state.observe`` of the replicas' max. Both steps synchronise the replicas, which
+    TensorFlow refuses inside a ``tf.function`` nested in the function given to
+    ``strategy.run``: that refusal is re-raised naming the FP8 layer's part in it."""
+    try:
+        state.observe(replica_max(amaxes, recipe))
+    except RuntimeError as err:
+        if _NESTED_FUNCTION_SYNC not in str(err):
+            raise
+        raise RuntimeError(
+            "fp8kit.keras: an FP8 layer's backward pass reduces its amaxes across replicas and "
+            "writes the mirrored FP8 state, a synchronisation point TensorFlow does not allow in "
+            "a tf.function nested inside the function given to strategy.run. Compute the "
+            "gradients in that function itself (or use model.fit); docs/keras.md, "
+            '"Distribution and checkpoints"'
+        ) from err
+
+
 def _chain_slot(
     state: Fp8State, taped: bool
 ) -> tuple[dict[tuple[int, int, bool], Any], tuple[int, int, bool]] | None:
@@ -125,7 +146,7 @@ def fp8_einsum(
                 return dx, dw, amaxes
             if slot is not None:  # the step's backward is traced: a later call starts anew
                 slot[0].pop(slot[1], None)
-            state.observe(replica_max(amaxes, plan.recipe))
+            _observe_in_replica(state, amaxes, plan.recipe)
             return dx, dw, tf.zeros_like(token)
 
         return (y, tf.identity(token)), grad
