@@ -364,6 +364,12 @@ class autocast(contextlib.ContextDecorator):
                 f"to calibrate), got {type(recipe).__name__}"
             )
         check_reduction_group("amax_reduction_group", amax_reduction_group)
+        if amax_reduction_group is not None and isinstance(recipe, Float8CurrentScaling):
+            warnings.warn(
+                "fp8kit: amax_reduction_group has no effect with Float8CurrentScaling: each rank "
+                "scales every tensor by its own amax (docs/semantics.md section 1)",
+                stacklevel=2,
+            )
         self.enabled = enabled
         self.recipe = recipe
         self.group = amax_reduction_group

@@ -141,3 +141,18 @@ def test_a_new_callable_recipe_at_every_step_is_told(monkeypatch: pytest.MonkeyP
         f8.autocast(recipe=recipe),
     ):
         layer(x)
+
+
+def test_a_reduction_group_with_current_scaling_is_told() -> None:
+    """Current scaling keeps no amaxes to reduce: a group given with it used to be dropped
+    without a word (decision 0248). The spelling TE users pass, fp8_group, says so too."""
+    # new_group's answer on a rank outside the group: a group value without a process group
+    group = torch.distributed.GroupMember.NON_GROUP_MEMBER
+    with pytest.warns(UserWarning, match="amax_reduction_group has no effect"):
+        f8.autocast(recipe=f8.Float8CurrentScaling(), amax_reduction_group=group)
+    with pytest.warns(UserWarning, match="amax_reduction_group has no effect"):
+        f8.fp8_autocast(fp8_recipe=f8.Float8CurrentScaling(), fp8_group=group)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f8.autocast(recipe=f8.Float8CurrentScaling())
+        f8.autocast(recipe=DelayedScaling(), amax_reduction_group=group)
