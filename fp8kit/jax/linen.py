@@ -139,6 +139,10 @@ class _Fp8Layer(nn.Module):
             # A mutable collection carries the chain itself (e.g. through an nn.scan carry);
             # another apply on the same variables in this trace joins it too.
             y, meta_out = dot_general_joined(x, kernel, dims, meta, **kwargs)
+            # The state keeps its own axes (a static field: the collection's tree must not
+            # change, e.g. in a scan carry), whichever axes this call reduced over.
+            stored = self.get_variable(FP8_COLLECTION, _META_NAME)
+            meta_out = replace(meta_out, amax_reduction_axes=stored.amax_reduction_axes)
             self.put_variable(FP8_COLLECTION, _META_NAME, meta_out)
             return y
         return dot_general(x, kernel, dims, meta, **kwargs)

@@ -9,7 +9,8 @@ With amax reduction (``torch.distributed``, ``reduce_amax=True``) an update even
 so it must happen on every rank even where no module of that (recipe, group) ran: the outermost
 autocast runs a forward event for every (recipe, group) of an enabled autocast entered in its body
 (in order of first entry), and each forward event arms the backward event of its (recipe, group)
-for the next backward pass (see :mod:`fp8kit.torch.state.registry` for what an event reduces).
+for every backward pass until the first training forward exit after one, which starts the next
+step's set (decision 0248; see :mod:`fp8kit.torch.state.registry` for what an event reduces).
 """
 
 from __future__ import annotations
@@ -368,7 +369,8 @@ class autocast(contextlib.ContextDecorator):
             warnings.warn(
                 "fp8kit: amax_reduction_group has no effect with Float8CurrentScaling: each rank "
                 "scales every tensor by its own amax (docs/semantics.md section 1)",
-                stacklevel=2,
+                # point at the user's line, also when the call came through fp8_autocast
+                stacklevel=3 if sys._getframe(1).f_code is fp8_autocast.__code__ else 2,
             )
         self.enabled = enabled
         self.recipe = recipe

@@ -28,7 +28,8 @@ def ddp_ignore_fp8_state(model: nn.Module) -> list[str]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, nn.parallel.DistributedDataParallel):
+    wrapped = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule
+    if isinstance(wrapped, nn.parallel.DistributedDataParallel):
         # DDP reads the ignore list once, at construction: a later call would change nothing.
         raise TypeError(
             "model is already wrapped in DistributedDataParallel, which read its list of buffers "

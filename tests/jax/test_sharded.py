@@ -243,3 +243,11 @@ def test_linen_axes_field_and_autocast_override_the_state_axes() -> None:
     assert recorded(layers["field"]) == 5.0
     assert recorded(layers["autocast"]) == 5.0
     assert recorded(layers["state"]) == 0.0  # no axes anywhere: device 0's own amax, as documented
+    # A state created with axes keeps them under an autocast that gives none
+    variables = Dense(8, recipe=recipe, amax_reduction_axes=("data",)).init(jax.random.key(0), x)
+    assert recorded(unset) == 5.0
+    # A mutable apply writes the state back with its own axes: the collection's tree is unchanged
+    # (a scan carrying the variables needs that), whichever axes the layer reduced over.
+    plain = Dense(8, recipe=recipe).init(jax.random.key(0), x)
+    _, written = layers["field"].apply(plain, x, mutable=["fp8_meta"])
+    assert jax.tree.structure(written["fp8_meta"]) == jax.tree.structure(plain["fp8_meta"])

@@ -479,11 +479,13 @@ def scenario_ddp_independent(rank: int, world: int, workdir: str) -> dict[str, A
     model = f8.convert_model(mlp())
     ignored = ddp_ignore_fp8_state(model)
     ddp = DDP(model)  # broadcast_buffers=True: would overwrite ranks' FP8 states otherwise
-    try:
-        ddp_ignore_fp8_state(ddp)  # too late: DDP read its ignore list at construction
-        on_wrapper = None
-    except TypeError as exc:
-        on_wrapper = str(exc)
+    on_wrapper = []
+    for wrapper in (ddp, torch.compile(ddp)):  # too late: DDP read its list at construction
+        try:
+            ddp_ignore_fp8_state(wrapper)
+            on_wrapper.append(None)
+        except TypeError as exc:
+            on_wrapper.append(str(exc))
     x, t = shard(rank, world)
     run = _train(ddp, recipe, x, t, 2, lambda m: [])
     del ddp, model

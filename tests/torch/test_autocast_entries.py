@@ -150,8 +150,9 @@ def test_a_reduction_group_with_current_scaling_is_told() -> None:
     group = torch.distributed.GroupMember.NON_GROUP_MEMBER
     with pytest.warns(UserWarning, match="amax_reduction_group has no effect"):
         f8.autocast(recipe=f8.Float8CurrentScaling(), amax_reduction_group=group)
-    with pytest.warns(UserWarning, match="amax_reduction_group has no effect"):
+    with pytest.warns(UserWarning, match="amax_reduction_group has no effect") as told:
         f8.fp8_autocast(fp8_recipe=f8.Float8CurrentScaling(), fp8_group=group)
+    assert told[0].filename == __file__  # the caller's line, not fp8kit's
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         f8.autocast(recipe=f8.Float8CurrentScaling())
