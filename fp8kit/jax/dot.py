@@ -619,20 +619,37 @@ def dot_general(
     )[0]
 
 
+_META_AXES: Any = object()  # dot_general_joined's default: reduce over the meta's own axes
+
+
 def dot_general_joined(
-    lhs: Any, rhs: Any, dimension_numbers: Any, meta: Fp8Meta, **kwargs: Any
+    lhs: Any,
+    rhs: Any,
+    dimension_numbers: Any,
+    meta: Fp8Meta,
+    *,
+    amax_reduction_axes: Any = _META_AXES,
+    **kwargs: Any,
 ) -> tuple[jax.Array, Fp8Meta]:
     """:func:`dot_general_chained` continuing the chain that ``meta`` started or passed
     through earlier in this traced function (one max-combining chain per state, however the
     calls reach it: the same object, or a meta returned by an earlier call of the chain, as a
-    mutable Linen collection hands it on within one ``apply`` but not to the next ``apply``)."""
+    mutable Linen collection hands it on within one ``apply`` but not to the next ``apply``).
+
+    ``amax_reduction_axes`` (a layer's field) replaces the meta's for this call only: the meta
+    returned keeps the meta's own (a static field, part of the state's tree)."""
     trace = jex_core.get_opaque_trace_state(convention="fp8kit")
     head = meta
     seen = _CHAINS.get(head) if isinstance(head, Fp8Meta) else None
     while seen is not None and seen[0] == trace:
         head = seen[1]
         seen = _CHAINS.get(head)
-    out, meta_out = dot_general_chained(lhs, rhs, dimension_numbers, head, **kwargs)
+    run = head
+    if amax_reduction_axes is not _META_AXES and amax_reduction_axes != head.amax_reduction_axes:
+        run = replace(head, amax_reduction_axes=amax_reduction_axes)
+    out, meta_out = dot_general_chained(lhs, rhs, dimension_numbers, run, **kwargs)
+    if run is not head:
+        meta_out = replace(meta_out, amax_reduction_axes=head.amax_reduction_axes)
     if isinstance(meta, Fp8Meta):
         _CHAINS[meta] = _CHAINS[head] = (trace, meta_out)
     return out, meta_out

@@ -102,10 +102,6 @@ class _Fp8Layer(nn.Module):
                 f"{self._where()!r} was constructed with recipe {recipe} but its FP8 state "
                 f"belongs to {meta.recipe}; convert the state with fp8kit.jax.with_recipe"
             )
-        if axes is not UNSET and axes != meta.amax_reduction_axes:
-            # A configuration, not state: the field (or its autocast) wins over the axes the
-            # state was created with (docs/jax.md, "Distribution"; decision 0248).
-            meta = replace(meta, amax_reduction_axes=axes)
         return meta, mutable
 
     def _where(self) -> str:
@@ -135,16 +131,21 @@ class _Fp8Layer(nn.Module):
             "preferred_element_type": x.dtype,
             "precision": precision,
         }
+        # The axes are configuration, not state: the field (or its autocast) wins over the axes
+        # the state was created with, for this call; the state keeps its own (docs/jax.md,
+        # "Distribution"; decision 0248).
+        axes = self.amax_reduction_axes  # type: ignore[attr-defined]
+        axes = meta.amax_reduction_axes if axes is UNSET else axes
         if writable and not self.is_initializing():
             # A mutable collection carries the chain itself (e.g. through an nn.scan carry);
             # another apply on the same variables in this trace joins it too.
-            y, meta_out = dot_general_joined(x, kernel, dims, meta, **kwargs)
-            # The state keeps its own axes (a static field: the collection's tree must not
-            # change, e.g. in a scan carry), whichever axes this call reduced over.
-            stored = self.get_variable(FP8_COLLECTION, _META_NAME)
-            meta_out = replace(meta_out, amax_reduction_axes=stored.amax_reduction_axes)
+            y, meta_out = dot_general_joined(
+                x, kernel, dims, meta, amax_reduction_axes=axes, **kwargs
+            )
             self.put_variable(FP8_COLLECTION, _META_NAME, meta_out)
             return y
+        if axes != meta.amax_reduction_axes:
+            meta = replace(meta, amax_reduction_axes=axes)
         return dot_general(x, kernel, dims, meta, **kwargs)
 
 

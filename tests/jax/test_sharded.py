@@ -230,9 +230,14 @@ def test_linen_axes_field_and_autocast_override_the_state_axes() -> None:
     layers = {"field": Dense(8, recipe=recipe, amax_reduction_axes=("data",))}
     layers |= {"autocast": from_autocast, "state": unset}
 
-    def recorded(layer):
-        def body(v, x):
-            _, _, obs = f8.value_and_grad(lambda v: jnp.sum(layer.apply(v, x)))(v)
+    def recorded(layer, mutable=False):
+        def apply(v, shard):  # a mutable apply takes the chained path (dot_general_joined)
+            if mutable:
+                return layer.apply(v, shard, mutable=["fp8_meta"])[0]
+            return layer.apply(v, shard)
+
+        def body(v, shard):
+            _, _, obs = f8.value_and_grad(lambda v: jnp.sum(apply(v, shard)))(v)
             return f8.update(v, obs)
 
         run = jax.shard_map(
@@ -240,7 +245,7 @@ def test_linen_axes_field_and_autocast_override_the_state_axes() -> None:
         )
         return float(jax.jit(run)(variables, x)["fp8_meta"]["meta"].forward.amax_history[-1, 0])
 
-    assert recorded(layers["field"]) == 5.0
+    assert recorded(layers["field"]) == recorded(layers["field"], mutable=True) == 5.0
     assert recorded(layers["autocast"]) == 5.0
     assert recorded(layers["state"]) == 0.0  # no axes anywhere: device 0's own amax, as documented
     # A state created with axes keeps them under an autocast that gives none
