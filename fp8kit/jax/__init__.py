@@ -14,7 +14,7 @@ FP8 training with delayed scaling where FP8 state is never a parameter:
 
 from typing import Any
 
-from fp8kit.jax.autocast import UNSET, autocast, current_defaults
+from fp8kit.jax.autocast import autocast, current_defaults
 from fp8kit.jax.dot import dot_general, dot_general_chained
 from fp8kit.jax.gemm import fp8_matmul
 from fp8kit.jax.grad import split_grads, value_and_grad
@@ -43,6 +43,7 @@ from fp8kit.jax.updates import (
     update,
 )
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
+from fp8kit.unset import UNSET
 
 __all__ = [
     "UNSET",

@@ -18,6 +18,7 @@ from typing import Any
 
 from fp8kit.jax.meta import _check_axes, check_recipe
 from fp8kit.recipe import DelayedScaling, Recipe
+from fp8kit.unset import UNSET
 
 __all__ = ["AutocastDefaults", "autocast", "current_defaults"]
 
@@ -29,27 +30,6 @@ class AutocastDefaults:
     enabled: bool
     recipe: Recipe
     amax_reduction_axes: Any  # tuple[str, ...] | None, or UNSET when the autocast gives none
-
-
-class _Unset:
-    """Marker for a module field left to the autocast default (hashable, one instance)."""
-
-    _instance: _Unset | None = None
-
-    def __new__(cls) -> _Unset:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "UNSET"
-
-    def __reduce__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Any = _Unset()
-"""Default of a module's ``recipe`` / ``amax_reduction_axes``: take the autocast's value."""
 
 
 _local = threading.local()

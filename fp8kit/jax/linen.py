@@ -27,10 +27,11 @@ from flax.core import meta
 from flax.linen.dtypes import promote_dtype
 from jax import lax
 
-from fp8kit.jax.autocast import UNSET, resolve_defaults
+from fp8kit.jax.autocast import resolve_defaults
 from fp8kit.jax.dot import dot_general, dot_general_joined
 from fp8kit.jax.meta import Fp8Meta, init_meta
 from fp8kit.jax.quantization import master_weight
+from fp8kit.unset import UNSET
 
 __all__ = ["FP8_COLLECTION", "Dense", "DenseGeneral"]
 

@@ -18,12 +18,13 @@ from flax import nnx
 from flax.linen.dtypes import promote_dtype
 from jax import lax
 
-from fp8kit.jax.autocast import UNSET, resolve_defaults
+from fp8kit.jax.autocast import resolve_defaults
 from fp8kit.jax.dot import dot_general_chained
 from fp8kit.jax.grad import split_grads
 from fp8kit.jax.meta import Fp8Meta, init_meta
 from fp8kit.jax.quantization import master_weight
 from fp8kit.jax.updates import update as _update_tree
+from fp8kit.unset import UNSET
 
 __all__ = ["Fp8MetaVariable", "Linear", "update", "value_and_grad"]
 

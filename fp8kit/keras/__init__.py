@@ -12,12 +12,13 @@ FP8 state is non-trainable variables that the optimizer never sees; a training s
 at the same events as ``fp8kit.torch`` (see docs/keras.md).
 """
 
-from fp8kit.keras.autocast import UNSET, autocast
+from fp8kit.keras.autocast import autocast
 from fp8kit.keras.convert import convert_model
 from fp8kit.keras.layers import Dense, EinsumDense
 from fp8kit.keras.state import STATE_VARIABLES, Fp8State
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
 from fp8kit.slots import BwdSlot, FwdSlot
+from fp8kit.unset import UNSET
 
 __all__ = [
     "STATE_VARIABLES",

@@ -19,26 +19,9 @@ from typing import Any
 import numpy as np
 
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from fp8kit.unset import UNSET
 
-__all__ = ["UNSET", "AutocastDefaults", "autocast", "check_recipe", "resolve"]
-
-
-class _Unset:
-    """Marker for a layer argument left to the autocast default."""
-
-    _instance: _Unset | None = None
-
-    def __new__(cls) -> _Unset:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Any = _Unset()
-"""Default of a layer's ``recipe`` / ``gradient_accumulation_steps``: take the autocast's."""
+__all__ = ["AutocastDefaults", "autocast", "check_recipe", "resolve"]
 
 
 def check_recipe(recipe: Any, name: str = "recipe") -> Recipe | None:

@@ -8,8 +8,9 @@ from typing import Any
 
 import keras
 
-from fp8kit.keras.autocast import UNSET, resolve
+from fp8kit.keras.autocast import resolve
 from fp8kit.keras.layers import Dense, EinsumDense
+from fp8kit.unset import UNSET
 
 __all__ = ["convert_model"]
 

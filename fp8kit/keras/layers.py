@@ -21,11 +21,12 @@ from typing import Any
 import keras
 import numpy as np
 
-from fp8kit.keras.autocast import UNSET, resolve
+from fp8kit.keras.autocast import resolve
 from fp8kit.keras.backends import fp8_einsum_for_backend
 from fp8kit.keras.gemm import GemmPlan, plan_einsum
 from fp8kit.keras.state import STATE_VARIABLES, Fp8State
 from fp8kit.recipe import Recipe, check_rebuildable, recipe_from_dict
+from fp8kit.unset import UNSET
 
 logger = logging.getLogger("fp8kit")
 
