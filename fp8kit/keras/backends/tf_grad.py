@@ -57,7 +57,8 @@ _NESTED_FUNCTION_SYNC = "called while defining a new graph or a tf.function"
 def _observe_in_replica(state: Fp8State, amaxes: tf.Tensor, recipe: Any) -> None:
     """``state.observe`` of the replicas' max. Both steps synchronise the replicas, which
     TensorFlow refuses inside a ``tf.function`` nested in the function given to
-    ``strategy.run``: that refusal is re-raised naming the FP8 layer's part in it."""
+    ``strategy.run`` or in a control-flow body there: that refusal is re-raised naming the FP8
+    layer's part in it."""
     try:
         state.observe(replica_max(amaxes, recipe))
     except RuntimeError as err:
@@ -66,9 +67,10 @@ def _observe_in_replica(state: Fp8State, amaxes: tf.Tensor, recipe: Any) -> None
         raise RuntimeError(
             "fp8kit.keras: an FP8 layer's backward pass reduces its amaxes across replicas and "
             "writes the mirrored FP8 state, a synchronisation point TensorFlow does not allow in "
-            "a tf.function nested inside the function given to strategy.run. Compute the "
-            "gradients in that function itself (or use model.fit); docs/keras.md, "
-            '"Distribution and checkpoints"'
+            "a tf.function nested inside the function given to strategy.run, nor inside a "
+            "TensorFlow control-flow body there (tf.cond, tf.while_loop, an autograph loop over "
+            "a tensor). Compute the gradients in the replica function itself, outside such "
+            'bodies (or use model.fit); docs/keras.md, "Distribution and checkpoints"'
         ) from err
 
 
