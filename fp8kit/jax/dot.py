@@ -67,6 +67,7 @@ from fp8kit.jax.quantization import (
 )
 from fp8kit.matmul_args import SECOND_DERIVATIVE_ERROR
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from fp8kit.unset import UNSET
 
 __all__ = ["dot_general", "dot_general_chained", "varying_axes"]
 
@@ -619,16 +620,13 @@ def dot_general(
     )[0]
 
 
-_META_AXES: Any = object()  # dot_general_joined's default: reduce over the meta's own axes
-
-
 def dot_general_joined(
     lhs: Any,
     rhs: Any,
     dimension_numbers: Any,
     meta: Fp8Meta,
     *,
-    amax_reduction_axes: Any = _META_AXES,
+    amax_reduction_axes: Any = UNSET,
     **kwargs: Any,
 ) -> tuple[jax.Array, Fp8Meta]:
     """:func:`dot_general_chained` continuing the chain that ``meta`` started or passed
@@ -636,8 +634,9 @@ def dot_general_joined(
     calls reach it: the same object, or a meta returned by an earlier call of the chain, as a
     mutable Linen collection hands it on within one ``apply`` but not to the next ``apply``).
 
-    ``amax_reduction_axes`` (a layer's field) replaces the meta's for this call only: the meta
-    returned keeps the meta's own (a static field, part of the state's tree)."""
+    ``amax_reduction_axes`` (a layer's field; UNSET: the meta's) replaces the meta's for this
+    call only: the meta returned keeps the meta's own (a static field, part of the state's
+    tree)."""
     trace = jex_core.get_opaque_trace_state(convention="fp8kit")
     head = meta
     seen = _CHAINS.get(head) if isinstance(head, Fp8Meta) else None
@@ -645,7 +644,7 @@ def dot_general_joined(
         head = seen[1]
         seen = _CHAINS.get(head)
     run = head
-    if amax_reduction_axes is not _META_AXES and amax_reduction_axes != head.amax_reduction_axes:
+    if amax_reduction_axes is not UNSET and amax_reduction_axes != head.amax_reduction_axes:
         run = replace(head, amax_reduction_axes=amax_reduction_axes)
     out, meta_out = dot_general_chained(lhs, rhs, dimension_numbers, run, **kwargs)
     if run is not head:

@@ -136,7 +136,6 @@ class _Fp8Layer(nn.Module):
         # the state was created with, for this call; the state keeps its own (docs/jax.md,
         # "Distribution"; decision 0248).
         axes = self.amax_reduction_axes  # type: ignore[attr-defined]
-        axes = meta.amax_reduction_axes if axes is UNSET else axes
         if writable and not self.is_initializing():
             # A mutable collection carries the chain itself (e.g. through an nn.scan carry);
             # another apply on the same variables in this trace joins it too.
@@ -145,7 +144,7 @@ class _Fp8Layer(nn.Module):
             )
             self.put_variable(FP8_COLLECTION, _META_NAME, meta_out)
             return y
-        if axes != meta.amax_reduction_axes:
+        if axes is not UNSET and axes != meta.amax_reduction_axes:
             meta = replace(meta, amax_reduction_axes=axes)
         return dot_general(x, kernel, dims, meta, **kwargs)
 

@@ -51,7 +51,7 @@ def replica_max(amaxes: tf.Tensor, recipe: Any) -> tf.Tensor:
     return tf.reduce_max(ctx.all_gather(amaxes[None], axis=0), axis=0)
 
 
-_NESTED_FUNCTION_SYNC = "called while defining a new graph or a tf.function"
+_TF_REFUSES_REPLICA_SYNC = "called while defining a new graph or a tf.function"
 
 
 def _observe_in_replica(state: Fp8State, amaxes: tf.Tensor, recipe: Any) -> None:
@@ -62,7 +62,7 @@ def _observe_in_replica(state: Fp8State, amaxes: tf.Tensor, recipe: Any) -> None
     try:
         state.observe(replica_max(amaxes, recipe))
     except RuntimeError as err:
-        if _NESTED_FUNCTION_SYNC not in str(err):
+        if _TF_REFUSES_REPLICA_SYNC not in str(err):
             raise
         raise RuntimeError(
             "fp8kit.keras: an FP8 layer's backward pass reduces its amaxes across replicas and "
