@@ -24,8 +24,9 @@ _FP8_CLASS: dict[type, type] = {
 
 def _copy_weights(old: keras.layers.Layer, new: keras.layers.Layer) -> None:
     """Assign ``old``'s kernel and bias to the FP8 layer it became (fresh FP8 state), or every
-    weight to a copy of its own class (an FP8 layer already keeps its trained FP8 state)."""
-    if type(old) in _FP8_CLASS and isinstance(new, (Dense, EinsumDense)):
+    weight to a layer with the same variables: a copy of its own class (an FP8 layer keeps its
+    trained FP8 state) or a ``recipe=None`` layer (Keras's variables, LoRA factors included)."""
+    if type(old) in _FP8_CLASS and isinstance(new, (Dense, EinsumDense)) and new.recipe is not None:
         new.kernel.assign(old.kernel)
         if old.bias is not None:
             new.bias.assign(old.bias)
@@ -49,12 +50,21 @@ def convert_model(
             layers whose type is exactly ``keras.layers.Dense`` / ``EinsumDense`` are converted.
         recipe, gradient_accumulation_steps: for the new layers, as in
             :class:`fp8kit.keras.Dense` (unset: the autocast active now, else
-            ``DelayedScaling()``).
+            ``DelayedScaling()``). Layers that already are fp8kit layers are copied with
+            their own recipe, steps and FP8 state.
 
     Returns:
         A new, uncompiled model with the same architecture and the weights of ``model``
         (kernels and biases are copied; the new FP8 layers start with fresh FP8 state). Compile
         it (a new optimizer) before ``fit``.
+
+    Raises:
+        ValueError: a layer to convert has LoRA enabled and ``recipe`` is not None (skip it
+            with ``layer_filter``, or convert with ``recipe=None``).
+
+    Warns:
+        UserWarning: naming the Dense / EinsumDense layers left in high precision: subclasses
+            of them (their ``call`` may differ) and layers nested inside other layers.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"model must be a keras.Model, got {type(model).__name__}")
@@ -71,15 +81,25 @@ def convert_model(
         raise TypeError("layer_filter must be None or a callable (layer) -> bool")
     recipe, steps = resolve(recipe, gradient_accumulation_steps)
     pairs: list[tuple[keras.layers.Layer, keras.layers.Layer]] = []
+    subclasses: list[str] = []
 
     def clone(layer: keras.layers.Layer) -> keras.layers.Layer:
         fp8_class = _FP8_CLASS.get(type(layer))
         config = layer.get_config()
         if fp8_class is not None and (layer_filter is None or layer_filter(layer)):
+            if recipe is not None and (layer.lora_enabled or layer.lora_rank):
+                raise ValueError(
+                    f"convert_model: layer {layer.name!r} has LoRA enabled (rank "
+                    f"{layer.lora_rank}), which cannot be combined with an FP8 recipe; leave it "
+                    "in high precision with layer_filter=, or convert with recipe=None"
+                )
             new = fp8_class.from_config(
                 {**config, "recipe": recipe, "gradient_accumulation_steps": steps}
             )
         else:
+            subclass = isinstance(layer, tuple(_FP8_CLASS)) and fp8_class is None
+            if subclass and not isinstance(layer, (Dense, EinsumDense)):
+                subclasses.append(f"{layer.name} ({type(layer).__name__})")
             new = layer.__class__.from_config(config)
         if isinstance(layer, keras.layers.Layer):  # not an operation (``h + x``, keras.ops.relu)
             pairs.append((layer, new))
@@ -89,6 +109,14 @@ def convert_model(
     for old, new in pairs:
         if old.built and new.built:
             _copy_weights(old, new)
+    if subclasses:
+        warnings.warn(
+            f"fp8kit.keras.convert_model: {len(subclasses)} layer(s) subclassing Dense / "
+            f"EinsumDense stay in high precision ({', '.join(subclasses)}): only those exact "
+            "types are swapped, a subclass's call may compute something else; build it on "
+            "fp8kit.keras.Dense / EinsumDense instead",
+            stacklevel=2,
+        )
     _warn_about_nested_layers(converted, {id(new) for _, new in pairs})
     return converted
 

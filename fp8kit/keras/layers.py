@@ -66,6 +66,9 @@ class _Fp8LayerMixin:
         self.gradient_accumulation_steps = steps
         self.fp8_state = None
         self._fp8_plan = None
+        lora_rank = getattr(self, "lora_rank", None)
+        if lora_rank:
+            self._refuse_lora(f"lora_rank={lora_rank}")
 
     def add_weight(self, *args: Any, **kwargs: Any) -> Any:
         """Keras's ``add_weight``; an FP8 layer's kernel is created with ``autocast=False``:
@@ -88,18 +91,24 @@ class _Fp8LayerMixin:
             )
         if self.recipe is None:
             return
-        self._refuse_lora()
         self._fp8_plan = plan_einsum(equation, self.recipe)
         self.fp8_state = Fp8State(self, self.recipe, 1, self.gradient_accumulation_steps)
 
-    def _refuse_lora(self) -> None:
-        """LoRA and an FP8 recipe do not combine (docs/decisions/0600): say so, at build (a
-        ``lora_rank`` given) or at the call (``enable_lora`` after build)."""
-        if getattr(self, "lora_enabled", False) or getattr(self, "lora_rank", None):
-            raise NotImplementedError(
-                f"{type(self).__name__}: LoRA is not supported together with an FP8 recipe; "
-                "construct the layer with recipe=None to use LoRA"
+    def _refuse_lora(self, given: str) -> None:
+        """LoRA and an FP8 recipe do not combine (docs/decisions/0600): a ValueError where LoRA
+        enters, the constructor's ``lora_rank`` or ``enable_lora`` (not NotImplementedError,
+        which ``keras.Sequential`` swallows while it builds: the layer would train in high
+        precision)."""
+        if self.recipe is not None:
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r}: {given} (LoRA) cannot be combined with "  # type: ignore[attr-defined]
+                "an FP8 recipe; construct the layer with recipe=None to use LoRA"
             )
+
+    def enable_lora(self, rank: int, *args: Any, **kwargs: Any) -> None:
+        """Keras's ``enable_lora``, refused for a layer with an FP8 recipe."""
+        self._refuse_lora(f"enable_lora(rank={rank})")
+        super().enable_lora(rank, *args, **kwargs)  # type: ignore[misc]
 
     def quantize(self, mode: Any = None, type_check: bool = True, **kwargs: Any) -> None:
         """Keras's own quantization (``layer.quantize`` / ``Model.quantize``: int8, float8, ...)
@@ -136,7 +145,6 @@ class _Fp8LayerMixin:
                 "amaxes for the next update is decided when the step is traced (pass the flag "
                 "as a Python value, as Model.fit does)"
             ) from None
-        self._refuse_lora()
         assert self._fp8_plan is not None and self.fp8_state is not None
         fp8_einsum = fp8_einsum_for_backend()
         return fp8_einsum(
@@ -181,6 +189,11 @@ class _Fp8LayerMixin:
     def call(self, inputs: Any, training: Any = None) -> Any:
         """The Keras layer's call; inside it, the GEMM runs in FP8 when a recipe is set."""
         if self.fp8_state is None:
+            if self.recipe is not None:  # its build failed and a caller swallowed the error
+                raise RuntimeError(
+                    f"{type(self).__name__} {self.name!r} has an FP8 recipe but no FP8 state: "  # type: ignore[attr-defined]
+                    "its build() did not complete; build it (layer.build(input_shape)) to see why"
+                )
             return super().call(inputs, training=training)  # type: ignore[misc]
         x = self._fp8_gemm(inputs, keras.ops.convert_to_tensor(self.kernel), training)  # type: ignore[attr-defined]
         if self.bias is not None:  # type: ignore[attr-defined]

@@ -200,6 +200,23 @@ def test_reused_layer_records_the_max_of_its_calls_in_one_event(rng) -> None:
     np.testing.assert_array_equal(scale_f[:2], np.float32(448) / np.float32(want_f[:2]))
 
 
+def test_eager_reused_layer_backward_keeps_its_forward_scales() -> None:
+    """Eager TF runs one update event per call's backward. In ``f(0.3 * f(x))`` the outer
+    call's backward runs first (dY = 1000: scale 1, E5M2 1024, then its event sets the scale to
+    57344/1024); the inner call's backward must quantize its dY (1024 * 0.3 = 307.2) with the
+    scale current at its forward, 1: E5M2(307.2) = 320, not 285.71 at the new scale.
+    Fp8State.read() hands out snapshots, not the variables."""
+    layer = f8.Dense(2, use_bias=False, recipe=f8.DelayedScaling(amax_history_len=1))
+    layer.build((None, 2))
+    layer.kernel.assign(np.eye(2, dtype=np.float32))
+    x = tf.ones((1, 2))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(layer(x, training=True) * 0.3, training=True)
+        loss = tf.reduce_sum(y * 1000.0)
+    np.testing.assert_array_equal(tape.gradient(loss, x).numpy(), [[320.0, 320.0]])
+
+
 def test_gradient_accumulation_takes_the_max_and_updates_every_k_passes(rng) -> None:
     recipe = f8.DelayedScaling(amax_history_len=4)
     w = random_fp8_friendly(rng, (8, 4))

@@ -257,11 +257,60 @@ def test_convert_model_names_the_dense_layers_it_cannot_reach() -> None:
 
 
 def test_lora_with_an_fp8_recipe_is_refused_by_name() -> None:
-    with pytest.raises(NotImplementedError, match="LoRA is not supported together with an FP8"):
-        f8.Dense(2, lora_rank=2, recipe=RECIPE).build((None, 3))
+    """Refused where LoRA enters (the constructor, enable_lora) with a ValueError, which
+    keras.Sequential does not swallow while it builds (a NotImplementedError it does, and the
+    layer trained in high precision)."""
+    with pytest.raises(ValueError, match=r"'lo': lora_rank=2 \(LoRA\) cannot be combined"):
+        f8.Dense(2, lora_rank=2, recipe=RECIPE, name="lo")
+    with pytest.raises(ValueError, match="cannot be combined with an FP8 recipe"):
+        keras.Sequential([keras.Input((8,)), f8.EinsumDense("ab,bc->ac", 4, lora_rank=2)])
+    built = f8.Dense(2, recipe=RECIPE)
+    built.build((None, 3))
+    with pytest.raises(ValueError, match=r"enable_lora\(rank=4\) \(LoRA\) cannot be combined"):
+        built.enable_lora(4)
+    assert not built.lora_enabled
     plain_lora = f8.Dense(2, lora_rank=2, recipe=None)
     plain_lora.build((None, 3))
     assert plain_lora.lora_enabled
+
+
+def test_a_layer_whose_fp8_build_failed_refuses_to_run_in_high_precision() -> None:
+    layer = f8.Dense(2, recipe=RECIPE, dtype="int8_from_float32")
+    with pytest.raises(ValueError, match="Keras quantization mode"):
+        layer.build((None, 3))
+    with pytest.raises(RuntimeError, match="has an FP8 recipe but no FP8 state"):
+        f8.Dense.call(layer, np.ones((1, 3), np.float32))
+
+
+def test_convert_model_with_lora_layers(rng) -> None:
+    """A LoRA Dense: refused by name with a recipe (layer_filter= skips it), converted with
+    recipe=None keeping its kernel, bias and LoRA factors."""
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(6, name="proj", lora_rank=2)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(h))
+    model.get_layer("proj").lora_kernel_b.assign(random_fp8_friendly(rng, (2, 6)))
+    with pytest.raises(ValueError, match=r"layer 'proj' has LoRA enabled.*layer_filter="):
+        f8.convert_model(model, recipe=RECIPE)
+    skipped = f8.convert_model(model, recipe=RECIPE, layer_filter=lambda layer: not layer.lora_rank)
+    assert isinstance(skipped.get_layer("head"), f8.Dense)
+    assert not isinstance(skipped.get_layer("proj"), f8.Dense)
+    plain = f8.convert_model(model, recipe=None)
+    assert isinstance(plain.get_layer("proj"), f8.Dense) and plain.get_layer("proj").lora_enabled
+    x = random_fp8_friendly(rng, (3, 8))
+    np.testing.assert_array_equal(plain(x).numpy(), model(x).numpy())
+
+
+def test_convert_model_names_the_dense_subclasses_it_leaves(rng) -> None:
+    class MyDense(keras.layers.Dense):
+        pass
+
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, MyDense(4, name="mine")(keras.layers.Dense(8)(inputs)))
+    with pytest.warns(UserWarning, match=r"1 layer\(s\) subclassing Dense.*mine \(MyDense\)"):
+        converted = f8.convert_model(model, recipe=RECIPE)
+    assert type(converted.get_layer("mine")) is MyDense
+    assert isinstance(converted.layers[1], f8.Dense)
 
 
 def test_convert_model_takes_a_functional_model_with_keras_ops_on_tensors(rng) -> None:

@@ -34,9 +34,8 @@ class _Fp8Einsum(torch.autograd.Function):
         y, saved, fwd_obs = gemm.forward(plan, x, w, fwd_scale, fwd_count, out_dtype)
         ctx.plan, ctx.state, ctx.training = plan, state, training
         ctx.saved = saved
-        # Copies: read() hands out the variables' own storage, which an update event of a later
-        # call's backward (eager: one event per backward) assigns before this backward runs.
-        ctx.bwd = (bwd_scale.clone(), bwd_count.clone())
+        # read() snapshots: a later call's event (eager: one per backward) cannot change these
+        ctx.bwd = (bwd_scale, bwd_count)
         ctx.fwd_obs = fwd_obs
         ctx.dtypes = (x.dtype, w.dtype)
         return y
