@@ -230,7 +230,7 @@ def fp8_gemm_bias(
     if bias is None or cublaslt_fuses_bias(out_dtype, bias):
         return fp8_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias=bias, fast_accum=fast_accum)
     y = fp8_gemm(a, b, a_scale_inv, b_scale_inv, torch.float32, fast_accum=fast_accum)
-    y = y.add_(bias)
+    y = y + bias  # out of place: docs/decisions/0249 (torch 2.11 compiled autograd.Function)
     return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 

@@ -217,7 +217,8 @@ def fp8_run_for(
     """
     settings = current_settings()
     if settings is None:
-        warn_if_recomputed_without_fp8(module, bool(module._run_cache))
+        # len(), not bool(): torch 2.11's compiler cannot trace bool() of a dict (decision 0249)
+        warn_if_recomputed_without_fp8(module, len(module._run_cache) > 0)
         return None
     check_high_precision(x, name)
     if param.dtype not in HIGH_PRECISION_DTYPES:
@@ -338,7 +339,7 @@ def _gemm(
         use_fast_accum=fast_accum,
     )
     if bias is not None and not fuse:
-        y = y.add_(bias)
+        y = y + bias  # out of place: docs/decisions/0249 (torch 2.11 compiled autograd.Function)
         if out_dtype != torch.float32:
             y = y.to(out_dtype)
     return y
@@ -499,7 +500,10 @@ def torch_autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The dtype of the ``torch.autocast`` active for ``x``'s device, or None (none active, or a
     device without autocast, such as ``meta``)."""
     device_type = x.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    # torch 2.11's compiler cannot trace is_autocast_available (decision 0249); a compiled
+    # graph runs on a device with autocast (cpu, cuda, ...)
+    available = torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type)
+    if available and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
 

@@ -616,7 +616,8 @@ def gemm_epilogue(
     torch ops ``acc.mul_(a_scale * b_scale).add_(bias).to(out_dtype)``.
 
     Args:
-        acc: float32 ``(M, N)`` contiguous accumulator; overwritten (the result for float32).
+        acc: float32 ``(M, N)`` contiguous accumulator; the native kernel overwrites it (the
+            result for float32), the reference leaves it.
         a_scale, b_scale: float32 one-element tensors on ``acc``'s device (the operands'
             ``scale_inv``).
         out_dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
@@ -625,8 +626,8 @@ def gemm_epilogue(
             ``"reference"``.
 
     Returns:
-        ``(M, N)`` tensor of ``out_dtype`` (``acc`` itself for float32). CPU: one native call
-        and at most one ``aten::empty``.
+        ``(M, N)`` tensor of ``out_dtype`` (native: ``acc`` itself for float32). CPU: one
+        native call and at most one ``aten::empty``.
     """
     if not (
         isinstance(acc, torch.Tensor)

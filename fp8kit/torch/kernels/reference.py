@@ -243,10 +243,12 @@ def gemm_epilogue(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """:func:`fp8kit.torch.kernels.gemm_epilogue` in torch ops (``acc`` is overwritten)."""
-    out = acc.mul_((a_scale * b_scale).reshape(()))
+    """:func:`fp8kit.torch.kernels.gemm_epilogue` in torch ops, out of place: this runs inside
+    compiled FP8 GEMMs, and torch 2.11's compiler gives a zero gradient to an autograd.Function
+    output changed in place (docs/decisions/0249)."""
+    out = acc * (a_scale * b_scale).reshape(())
     if bias is not None:
-        out = out.add_(bias)
+        out = out + bias
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
