@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench-gpu on a lent GPU machine (no venv, nothing installable there; docs/benchmarks.md):
-#   bash benchmarks/gpu_run.sh [all|tests|bench|bench-sub] [benchmarks.gpu options, e.g. --quick]
+#   bash benchmarks/gpu_run.sh [all|tests|bench|bench-sub|lease] [benchmarks.gpu options]
 # 1. installs the wheels carried in the ignored .whl/ folder (torchao) into /tmp/site;
 # 2. tests: first the CUDA-only tests (compiled Triton kernels bit for bit against the model,
 #    CUDA graphs, compiled modes; -v, so each result is in tests.log as it happens), then
@@ -11,14 +11,17 @@
 #    bench-sub: the JAX / Keras / kernel sub-benchmarks (--only sub --out $OUT/gpu-sub.json).
 # Logs go to $OUT (./gpu-out without it): tests.log, bench.log, gpu.txt. One device call runs at
 # most 10 minutes: run "tests", "bench" and "bench-sub" as three calls, or "all" with --quick.
+# lease: everything in one call of at most ~9 minutes, for a session lent 15 minutes of device
+#    time in all (the machine's start included): the CUDA-only tests (at most 150 s), bench
+#    --quick at 0.6x budgets (at most 240 s), then bench-sub (at most 120 s); no full test run.
 # Set FP8KIT_COMMIT to the commit hash when the copied tree has no .git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-all}"
 case "$mode" in
-  all | tests | bench | bench-sub) [ $# -gt 0 ] && shift ;;
+  all | tests | bench | bench-sub | lease) [ $# -gt 0 ] && shift ;;
   -*) mode=all ;;
-  *) echo "gpu_run.sh: mode must be all, tests, bench or bench-sub, got '$mode'" >&2; exit 2 ;;
+  *) echo "gpu_run.sh: mode must be all, tests, bench, bench-sub or lease, got '$mode'" >&2; exit 2 ;;
 esac
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
@@ -29,8 +32,8 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 status=0
+gpu_only="test_triton_on_the_gpu or test_real_cuda_graphs or test_cuda_compiled_modes"
 if [ "$mode" = all ] || [ "$mode" = tests ]; then
-  gpu_only="test_triton_on_the_gpu or test_real_cuda_graphs or test_cuda_compiled_modes"
   timeout 240 python3 -m pytest -v -ra tests/torch -k "$gpu_only" -p no:cacheprovider 2>&1 \
     | tee "$out/tests.log" | tail -30 || status=$?
   timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -ra tests/torch \
@@ -43,6 +46,14 @@ if [ "$mode" = all ] || [ "$mode" = bench ]; then
 fi
 if [ "$mode" = all ] || [ "$mode" = bench-sub ]; then
   python3 -m benchmarks.gpu --only sub --out "$out/gpu-sub.json" "$@" 2>&1 \
+    | tee "$out/bench-sub.log" || status=$?
+fi
+if [ "$mode" = lease ]; then
+  timeout 150 python3 -m pytest -v -ra tests/torch -k "$gpu_only" -p no:cacheprovider 2>&1 \
+    | tee "$out/tests.log" | tail -15 || status=$?
+  timeout 240 python3 -m benchmarks.gpu --only linear,tiny,syncs,cast,gpt --quick \
+    --budget-scale 0.6 --out "$out/gpu.json" "$@" 2>&1 | tee "$out/bench.log" || status=$?
+  timeout 120 python3 -m benchmarks.gpu --only sub --out "$out/gpu-sub.json" 2>&1 \
     | tee "$out/bench-sub.log" || status=$?
 fi
 exit "$status"
