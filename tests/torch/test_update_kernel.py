@@ -273,7 +273,7 @@ def check_results(
                 w = want[name]
                 assert g.dtype == w.dtype and g.shape == w.shape, what
                 bits = np.int32 if g.dtype == np.float32 else np.int64
-                both_nan = np.isnan(g) & np.isnan(w) if g.dtype == np.float32 else False
+                both_nan = np.isnan(g) & np.isnan(w)  # all False for integer counts
                 bad = np.argwhere((g.view(bits) != w.view(bits)) & ~both_nan)  # NaN payloads vary
                 assert bad.size == 0, (
                     f"{what}: at {bad[0]}: got {g[tuple(bad[0])]}, want {w[tuple(bad[0])]}"
