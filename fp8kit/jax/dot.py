@@ -643,9 +643,7 @@ def dot_general_joined(
     while seen is not None and seen[0] == trace:
         head = seen[1]
         seen = _CHAINS.get(head)
-    run = head
-    if amax_reduction_axes is not UNSET and amax_reduction_axes != head.amax_reduction_axes:
-        run = replace(head, amax_reduction_axes=amax_reduction_axes)
+    run = head.with_reduction_axes(amax_reduction_axes)
     out, meta_out = dot_general_chained(lhs, rhs, dimension_numbers, run, **kwargs)
     if run is not head:
         meta_out = replace(meta_out, amax_reduction_axes=head.amax_reduction_axes)

@@ -16,7 +16,6 @@ state a layer is exactly its ``flax.linen`` counterpart in high precision.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import flax.linen as nn
@@ -144,9 +143,7 @@ class _Fp8Layer(nn.Module):
             )
             self.put_variable(FP8_COLLECTION, _META_NAME, meta_out)
             return y
-        if axes is not UNSET and axes != meta.amax_reduction_axes:
-            meta = replace(meta, amax_reduction_axes=axes)
-        return dot_general(x, kernel, dims, meta, **kwargs)
+        return dot_general(x, kernel, dims, meta.with_reduction_axes(axes), **kwargs)
 
 
 class Dense(_Fp8Layer):

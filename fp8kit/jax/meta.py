@@ -29,6 +29,7 @@ import numpy as np
 from fp8kit.jax.scaling import COUNT_WRAP_LIMIT
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe, recipe_from_dict
 from fp8kit.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
+from fp8kit.unset import UNSET
 
 __all__ = [
     "STEP_WRAP",
@@ -145,6 +146,13 @@ class Fp8Meta:
     def batch_shape(self) -> tuple[int, ...]:
         """Leading axes (e.g. the layer axis of a scanned stack); () for one module."""
         return tuple(self.step.shape)
+
+    def with_reduction_axes(self, axes: Any) -> Fp8Meta:
+        """This meta reducing over ``axes`` (a layer's field; UNSET: its own), itself when they
+        are the same. The axes are configuration, not state (docs/jax.md, "Distribution")."""
+        if axes is UNSET or axes == self.amax_reduction_axes:
+            return self
+        return replace(self, amax_reduction_axes=axes)
 
 
 def is_meta(x: Any) -> bool:

@@ -128,15 +128,19 @@ class Fp8State:
         return 5 * self.num_gemms
 
     def read(self) -> tuple[Any, Any, Any, Any]:
-        """Current ``(fwd_scale, fwd_count, bwd_scale, bwd_count)`` as snapshot tensors.
+        """Current ``(fwd_scale, fwd_count, bwd_scale, bwd_count)`` as tensors.
 
-        Copies, not the variables: a call's backward quantizes with the scales current at its
-        forward even when another call's update event has assigned the variables in between
-        (eager TensorFlow would otherwise read the variable at backward time, and a torch
-        tensor would see the in-place assign).
+        The backward pair are copies, not the variables: a call's backward quantizes with the
+        scales current at its forward even when another call's update event has assigned the
+        variables in between (eager TensorFlow would otherwise read the variable at backward
+        time, and a torch tensor would see the in-place assign). The forward pair is used at
+        once.
         """
-        return tuple(  # type: ignore[return-value]
-            ops.copy(v) for v in (self.fwd_scale, self.fwd_count, self.bwd_scale, self.bwd_count)
+        return (
+            ops.convert_to_tensor(self.fwd_scale),
+            ops.convert_to_tensor(self.fwd_count),
+            ops.copy(self.bwd_scale),
+            ops.copy(self.bwd_count),
         )
 
     def observe(self, amaxes: Any) -> None:
