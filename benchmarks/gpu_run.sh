@@ -33,27 +33,36 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 status=0
 gpu_only="test_triton_on_the_gpu or test_real_cuda_graphs or test_cuda_compiled_modes"
-if [ "$mode" = all ] || [ "$mode" = tests ]; then
-  timeout 240 python3 -m pytest -v -ra tests/torch -k "$gpu_only" -p no:cacheprovider 2>&1 \
+# Each takes its time limit in seconds (0: none); the benchmarks then their extra options.
+gpu_tests() {
+  timeout "$1" python3 -m pytest -v -ra tests/torch -k "$gpu_only" -p no:cacheprovider 2>&1 \
     | tee "$out/tests.log" | tail -30 || status=$?
+}
+bench() {
+  local limit="$1"; shift
+  timeout "$limit" python3 -m benchmarks.gpu --only linear,tiny,syncs,cast,gpt \
+    --out "$out/gpu.json" "$@" 2>&1 | tee "$out/bench.log" || status=$?
+}
+bench_sub() {
+  local limit="$1"; shift
+  timeout "$limit" python3 -m benchmarks.gpu --only sub --out "$out/gpu-sub.json" "$@" 2>&1 \
+    | tee "$out/bench-sub.log" || status=$?
+}
+if [ "$mode" = all ] || [ "$mode" = tests ]; then
+  gpu_tests 240
   timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -ra tests/torch \
     -k "not under_interpreter and not ($gpu_only)" -p no:cacheprovider 2>&1 \
     | tee -a "$out/tests.log" | tail -30 || status=$?
 fi
 if [ "$mode" = all ] || [ "$mode" = bench ]; then
-  python3 -m benchmarks.gpu --only linear,tiny,syncs,cast,gpt --out "$out/gpu.json" "$@" 2>&1 \
-    | tee "$out/bench.log" || status=$?
+  bench 0 "$@"
 fi
 if [ "$mode" = all ] || [ "$mode" = bench-sub ]; then
-  python3 -m benchmarks.gpu --only sub --out "$out/gpu-sub.json" "$@" 2>&1 \
-    | tee "$out/bench-sub.log" || status=$?
+  bench_sub 0 "$@"
 fi
 if [ "$mode" = lease ]; then
-  timeout 150 python3 -m pytest -v -ra tests/torch -k "$gpu_only" -p no:cacheprovider 2>&1 \
-    | tee "$out/tests.log" | tail -15 || status=$?
-  timeout 270 python3 -m benchmarks.gpu --only linear,tiny,syncs,cast,gpt --quick \
-    --budget-scale 0.5 --out "$out/gpu.json" "$@" 2>&1 | tee "$out/bench.log" || status=$?
-  timeout 120 python3 -m benchmarks.gpu --only sub --out "$out/gpu-sub.json" 2>&1 \
-    | tee "$out/bench-sub.log" || status=$?
+  gpu_tests 150
+  bench 270 --quick --budget-scale 0.5 "$@"
+  bench_sub 120
 fi
 exit "$status"
