@@ -643,7 +643,8 @@ def dot_general_joined(
     while seen is not None and seen[0] == trace:
         head = seen[1]
         seen = _CHAINS.get(head)
-    run = head.with_reduction_axes(amax_reduction_axes)
+    # not a meta: dot_general_chained names the wrong argument
+    run = head.with_reduction_axes(amax_reduction_axes) if isinstance(head, Fp8Meta) else head
     out, meta_out = dot_general_chained(lhs, rhs, dimension_numbers, run, **kwargs)
     if run is not head:
         meta_out = replace(meta_out, amax_reduction_axes=head.amax_reduction_axes)
