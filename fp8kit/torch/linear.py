@@ -393,7 +393,9 @@ class _LinearFunction(torch.autograd.Function):
         ctx.run = run
         ctx.gemm = gemm
         ctx.fp8_grad = fp8_grad
-        ctx.has_bias = bias is not None
+        # db leaves in the bias input's dtype: under torch.autocast that is the autocast dtype,
+        # and autograd's own conversion of the bias takes it to the parameter's dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.x_dtype = x.dtype
         ctx.x_scale_inv = None if x_fp8 is None else x_fp8.scale_inv
         ctx.w_scale_inv = None if w_fp8 is None else w_fp8.scale_inv
@@ -423,7 +425,7 @@ class _LinearFunction(torch.autograd.Function):
         _, dgrad_fp8, wgrad_fp8 = run.fp8_gemms
         _, fast_dgrad, fast_wgrad = run.plan.fast_accum
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        need_db = need_db and ctx.has_bias
+        need_db = need_db and ctx.bias_dtype is not None
         dy = dy.contiguous()
         dy_fp8 = db = None
         if (dgrad_fp8 and need_dx) or (wgrad_fp8 and need_dw):
@@ -467,8 +469,8 @@ class _LinearFunction(torch.autograd.Function):
         if need_db:
             if db is None:  # dY was not cast (both GEMMs high precision or not needed)
                 db = dy.to(torch.float32).sum(0)
-            if db.dtype != weight.dtype:
-                db = db.to(weight.dtype)
+            if db.dtype != ctx.bias_dtype:
+                db = db.to(ctx.bias_dtype)
         else:
             db = None
         return dx, dw, db, None, None, None, None, None

@@ -178,6 +178,30 @@ def test_linear_step_stays_within_eight_kernels(counted, dtype, recipe) -> None:
     assert c.total <= 8, c.ops
 
 
+def test_backward_under_torch_autocast_converts_each_gradient_once(counted) -> None:
+    """float32 parameters under ``torch.autocast(bfloat16)``: dX and dB each reach float32 in one
+    conversion (autograd's, undoing the input's and the bias's casts to bfloat16); dW comes out
+    of its GEMM in float32. A bias gradient handed back in float32 would be converted to the
+    bias input's bfloat16 and back (two more kernels per biased GEMM)."""
+    torch.manual_seed(0)
+    recipe = RECIPES["delayed"]
+    layer = f8.Linear(64, 32)
+    x = torch.randn(48, 64, requires_grad=True)
+    dy = torch.randn(48, 32, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):
+            _step(layer, x, dy, recipe)
+        x.grad = layer.weight.grad = layer.bias.grad = None
+        y = _LayerCall(layer, recipe)(x)
+    c = counted()
+    with c:
+        y.backward(dy)
+    assert c.ops["aten._scaled_mm.default"] == 2
+    assert c.ops["aten._to_copy.default"] == 2, c.ops
+    assert layer.bias.grad.dtype == layer.weight.grad.dtype == x.grad.dtype == torch.float32
+    assert torch.equal(layer.bias.grad, dy.float().sum(0).bfloat16().float())
+
+
 class _LayerCall:
     """One FP8 call of ``layer`` with the autocast exit (its update event) outside the count."""
 
