@@ -52,6 +52,15 @@ class _KernelCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.active = False  # fused-kernel calls count only inside ``with counter:``
+
+    def __enter__(self) -> _KernelCounter:
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.active = False
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = str(func)
@@ -73,7 +82,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], _KernelCou
         real = getattr(slot_cast, name)
 
         def wrapped(*args, _real=real, _name=name, **kwargs):  # type: ignore[no-untyped-def]
-            for c in counters:
+            for c in _active(counters):
                 c.ops[f"fp8kit.{_name}"] += 1
             with _Paused(counters):
                 return _real(*args, **kwargs)
@@ -85,7 +94,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], _KernelCou
         cast = real_prepare_cast(*args, **kwargs)  # a delayed-scaling cast: counted per call
 
         def counted_cast(*cast_args):  # type: ignore[no-untyped-def]
-            for c in counters:
+            for c in _active(counters):
                 c.ops["fp8kit.cast_fp8"] += 1
             with _Paused(counters):
                 return cast(*cast_args)
@@ -96,7 +105,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], _KernelCou
     real_update = update_apply.delayed_update_
 
     def wrapped_update(*args, **kwargs):  # type: ignore[no-untyped-def]
-        for c in counters:
+        for c in _active(counters):
             c.ops["fp8kit.delayed_update_"] += 1
         with _Paused(counters):
             return real_update(*args, **kwargs)
@@ -108,7 +117,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], _KernelCou
         update = real_prepare(*args, **kwargs)  # the steady-state event: counted per call
 
         def counted_update() -> None:
-            for c in counters:
+            for c in _active(counters):
                 c.ops["fp8kit.delayed_update_"] += 1
             with _Paused(counters):
                 update()
@@ -126,6 +135,10 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], _KernelCou
 
     yield make
     gemm.set_cpu_gemm_backend(previous)
+
+
+def _active(counters: list[_KernelCounter]) -> list[_KernelCounter]:
+    return [c for c in counters if c.active]
 
 
 class _Paused:
@@ -200,6 +213,30 @@ def test_backward_under_torch_autocast_converts_each_gradient_once(counted) -> N
     assert c.ops["aten._to_copy.default"] == 2, c.ops
     assert layer.bias.grad.dtype == layer.weight.grad.dtype == x.grad.dtype == torch.float32
     assert torch.equal(layer.bias.grad, dy.float().sum(0).bfloat16().float())
+
+
+def test_transformer_layer_sbhd_costs_what_bshd_costs(counted) -> None:
+    """TE's default ``[s, b, h]`` layout runs the same kernels per training step as ``[b, s, h]``:
+    the token-wise GEMMs and norms take the input as it comes, only the attention core gets
+    permuted views (a layer run on a transposed input copies activations forward and back)."""
+    s, b, h = 16, 2, 64
+    recipe = RECIPES["delayed"]
+    counts = {}
+    for layout in ("sbhd", "bshd"):
+        torch.manual_seed(0)
+        layer = f8.TransformerLayer(h, 128, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                                    attn_input_format=layout)  # fmt: skip
+        x = torch.randn((s, b, h) if layout == "sbhd" else (b, s, h), requires_grad=True)
+        dy = torch.randn_like(x)
+        for _ in range(2):
+            _step(layer, x, dy, recipe)
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        c = counted()
+        with c:
+            _step(layer, x, dy, recipe)
+        counts[layout] = c.ops
+    assert counts["sbhd"] == counts["bshd"]
 
 
 class _LayerCall:
