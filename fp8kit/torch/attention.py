@@ -234,15 +234,13 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
         average_attn_weights: bool,
         is_causal: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        same = query is key, key is value
-        if self.batch_first:  # work sequence-first, as PyTorch's functional form does
-            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-            if same[0]:
-                key = query
-            if same[1]:
-                value = key
-        tgt_len, bsz, embed_dim = query.shape
+        # The projections take the inputs in their own layout ((L, N, E), or (N, L, E) with
+        # batch_first); the attention core works on (N, heads, length, head_dim) views of them,
+        # so no activation is copied to change layout (docs/performance.md).
+        bsz, embed_dim = query.shape[0 if self.batch_first else 1], query.shape[2]
         heads, head_dim = self.num_heads, self.head_dim
+        to_core = (0, 2, 1, 3) if self.batch_first else (1, 2, 0, 3)
+        from_core = (0, 2, 1, 3) if self.batch_first else (2, 0, 1, 3)
         autocast_dtype = torch_autocast_dtype(query)
         dtype = autocast_dtype or query.dtype  # what the projections write, the core runs in
         key_padding_mask = _mask_in(
@@ -274,63 +272,47 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
             attn_mask = None  # scaled_dot_product_attention applies the causal mask itself
         else:
             is_causal = False
-        if attn_mask is not None and attn_mask.dim() == 2:
-            attn_mask = attn_mask.unsqueeze(0)
+        if attn_mask is not None:  # (L, S) -> (1, 1, L, S); (N * heads, L, S) -> (N, heads, L, S)
+            per_head = heads if attn_mask.dim() == 3 else 1
+            attn_mask = attn_mask.view(-1, per_head, *attn_mask.shape[-2:])
+        if key_padding_mask is not None:  # (N, S) -> (N, 1, 1, S)
+            key_padding_mask = key_padding_mask.view(bsz, 1, 1, -1)
 
-        q, k, v = self._project_inputs(run, query, key, value)
+        q, k, v = (
+            t.view(*t.shape[:2], heads, head_dim).permute(to_core)
+            for t in self._project_inputs(run, query, key, value)
+        )  # (N, heads, L | S, head_dim)
         if self.bias_k is not None and self.bias_v is not None:
-            k = torch.cat([k, self.bias_k.repeat(1, bsz, 1)])
-            v = torch.cat([v, self.bias_v.repeat(1, bsz, 1)])
+            k, v = (
+                torch.cat([t, b.view(1, heads, 1, head_dim).expand(bsz, -1, -1, -1)], dim=2)
+                for t, b in ((k, self.bias_k), (v, self.bias_v))
+            )
             attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
             key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
-        q = q.reshape(tgt_len, bsz * heads, head_dim).transpose(0, 1)
-        k = k.reshape(k.shape[0], bsz * heads, head_dim).transpose(0, 1)
-        v = v.reshape(v.shape[0], bsz * heads, head_dim).transpose(0, 1)
         if self.add_zero_attn:
-            zeros = q.new_zeros((bsz * heads, 1, head_dim))
-            k, v = torch.cat([k, zeros], dim=1), torch.cat([v, zeros], dim=1)
+            zeros = q.new_zeros((bsz, heads, 1, head_dim))
+            k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)
             attn_mask = None if attn_mask is None else F.pad(attn_mask, (0, 1))
             key_padding_mask = None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1))
-        src_len = k.shape[1]
         if key_padding_mask is not None:
-            padding = key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, heads, -1, -1)
-            padding = padding.reshape(bsz * heads, 1, src_len)
-            attn_mask = padding if attn_mask is None else attn_mask + padding
+            attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
         dropout_p = self.dropout if self.training else 0.0
 
         weights = None
         if need_weights:
-            scores = (q * math.sqrt(1.0 / head_dim)) @ k.transpose(-2, -1)
+            scores = (q * math.sqrt(1.0 / head_dim)) @ k.transpose(-2, -1)  # (N, heads, L, S)
             if attn_mask is not None:
                 scores = scores + attn_mask  # float32 for a float32 mask outside torch.autocast
             weights = torch.softmax(scores, dim=-1).to(q.dtype)
             if dropout_p > 0.0:
                 weights = F.dropout(weights, p=dropout_p)
-            out = weights @ v  # (N * H, L, head_dim)
-            out = out.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
-            weights = weights.view(bsz, heads, tgt_len, src_len)
+            out = weights @ v
             if average_attn_weights:
                 weights = weights.mean(dim=1)
         else:
-            if attn_mask is not None:
-                attn_mask = (
-                    attn_mask.unsqueeze(0)
-                    if attn_mask.shape[0] == 1
-                    else attn_mask.view(bsz, heads, -1, src_len)
-                )
-            out = F.scaled_dot_product_attention(
-                q.view(bsz, heads, tgt_len, head_dim),
-                k.view(bsz, heads, src_len, head_dim),
-                v.view(bsz, heads, src_len, head_dim),
-                attn_mask,
-                dropout_p,
-                is_causal,
-            )
-            out = out.permute(2, 0, 1, 3).reshape(tgt_len * bsz, embed_dim)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
+        out = out.permute(from_core).reshape(*query.shape[:2], embed_dim)
         out = fp8_linear(out, self.out_proj.weight, self.out_proj.bias, run, gemm=_OUT)
-        out = out.view(tgt_len, bsz, embed_dim)
-        if self.batch_first:
-            out = out.transpose(0, 1)
         return out, weights
 
 

@@ -58,6 +58,10 @@ def _masks(self_attention: bool) -> dict:
             "attn_mask": torch.randn(L, src, generator=gen),
             "key_padding_mask": torch.zeros(N, src).masked_fill(kpm, float("-inf")),
         },
+        "per_head_attn+padding": {  # (N * heads, L, S): one mask per batch entry and head
+            "attn_mask": torch.randn(N * H, L, src, generator=gen),
+            "key_padding_mask": torch.zeros(N, src).masked_fill(kpm, float("-inf")),
+        },
     }
 
 
@@ -152,7 +156,8 @@ def test_fp8_projections_are_e4m3_gemms_and_the_core_is_float64_attention(
     )
     mask = mask.expand(N, H, 1, -1).reshape(N * H, 1, -1)
     core = _attention64(*projected, heads=H, mask=mask)
-    torch.testing.assert_close(out_proj.x.double(), core, rtol=1e-5, atol=1e-5)
+    assert out_proj.x.shape == q.shape  # the projections take the input's own layout
+    torch.testing.assert_close(out_proj.x.double().reshape(-1, E), core, rtol=1e-5, atol=1e-5)
     assert torch.equal(got.reshape(-1, E), out_proj.y.reshape(-1, E))
     used = [0, 3] if self_attention else [0, 1, 2, 3]
     fwd = fp8.fp8_meta.forward.update_count.view(4, 3)
@@ -174,10 +179,11 @@ def test_need_weights_in_fp8_are_the_softmax_of_the_fp8_projections(monkeypatch)
     with f8.autocast(recipe=FP8):
         _, weights = fp8(q, q, q)
         _, per_head = fp8(q, q, q, average_attn_weights=False)
-    qkv = calls[0].y.double()  # the packed projection, sequence first: (L, N, 3E)
+    qkv = calls[0].y.double()  # the packed projection in the input's layout: (N, L, 3E)
+    assert qkv.shape == (N, L, 3 * E)
     d = E // H
-    qh, kh, _ = (t.reshape(L, N * H, d).transpose(0, 1) for t in qkv.chunk(3, dim=-1))
-    probs = (qh @ kh.transpose(1, 2) / d**0.5).softmax(-1).reshape(N, H, L, L)
+    qh, kh, _ = (t.reshape(N, L, H, d).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+    probs = (qh @ kh.transpose(-1, -2) / d**0.5).softmax(-1)  # (N, H, L, L)
     torch.testing.assert_close(per_head.double(), probs, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(weights.double(), probs.mean(1), rtol=1e-5, atol=1e-6)
 

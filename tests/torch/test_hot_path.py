@@ -239,6 +239,30 @@ def test_transformer_layer_sbhd_costs_what_bshd_costs(counted) -> None:
     assert counts["sbhd"] == counts["bshd"]
 
 
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_multihead_attention_step_copies_no_activation(counted, batch_first) -> None:
+    """Self-attention through ``scaled_dot_product_attention`` (``need_weights=False``): the
+    projections take the input in its own layout and the core gets (N, heads, L, d) views of
+    the packed projection, so a training step clones nothing."""
+    torch.manual_seed(0)
+    recipe = RECIPES["delayed"]
+    layer = f8.MultiheadAttention(64, 4, batch_first=batch_first)
+    x = torch.randn((2, 16, 64) if batch_first else (16, 2, 64), requires_grad=True)
+
+    def step() -> None:
+        with f8.autocast(recipe=recipe):
+            y, _ = layer(x, x, x, need_weights=False)
+        y.backward(torch.ones_like(y))
+
+    for _ in range(2):
+        step()
+    c = counted()
+    with c:
+        step()
+    assert c.ops["aten._scaled_mm.default"] == 6
+    assert c.ops["aten.clone.default"] == 0, c.ops
+
+
 class _LayerCall:
     """One FP8 call of ``layer`` with the autocast exit (its update event) outside the count."""
 
