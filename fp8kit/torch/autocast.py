@@ -55,6 +55,11 @@ class _PendingUpdate:
     direction: str  # "forward" or "backward"
     states: dict[int, ScalingState] = field(default_factory=dict)
 
+    # Never traced: an event runs at an autocast exit or an autograd-engine callback, outside
+    # any graph, but Dynamo's frame hook can still be installed there (a compiled function that
+    # calls backward(), or a lenient compile around an autocast); compiling the event's
+    # bookkeeping would add graphs and graph breaks every step (docs/decisions/0250).
+    @torch.compiler.disable
     def run(self) -> None:
         fmt = self.recipe.fp8_format
         fmax = fmt.forward.max if self.direction == "forward" else fmt.backward.max
@@ -525,6 +530,7 @@ def _take_backward_events() -> list[_PendingUpdate]:
     return taken
 
 
+@torch.compiler.disable  # as _PendingUpdate.run
 def _flush_backward_updates() -> None:
     global _backward_callback_task, _backward_pass_ran
     with _backward_lock:

@@ -426,10 +426,12 @@ def test_casts_only_one_pass_uses_stay_in_the_forward(
 
 def test_fullgraph_as_the_processs_first_fp8_call() -> None:
     """A compiled call that is the process's first FP8 GEMM traces with ``fullgraph=True`` (it
-    used to trace into the native library's loading lock) and matches eager. In a fresh process:
-    this one has long loaded the library."""
+    used to trace into the native library's loading lock), and later steps reuse its one graph
+    (the CPU GEMM backend used to be chosen while the first one traced, so the second step
+    recompiled); numbers as eager. In a fresh process: this one has long loaded the library."""
     code = """
         import copy, torch
+        from torch._dynamo.utils import counters
         import fp8kit.torch as f8
         from fp8kit.recipe import DelayedScaling
         torch.manual_seed(0)
@@ -438,12 +440,14 @@ def test_fullgraph_as_the_processs_first_fp8_call() -> None:
         compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
         x = torch.randn(8, 32)
         for m in (compiled, twin):
-            with f8.autocast(recipe=DelayedScaling(amax_history_len=4)):
-                y = m(x)
-            y.sum().backward()
+            for _ in range(3):
+                with f8.autocast(recipe=DelayedScaling(amax_history_len=4)):
+                    y = m(x)
+                y.sum().backward()
         assert torch.equal(model.weight.grad, twin.weight.grad)
         assert torch.equal(model.fp8_meta.forward.scale, twin.fp8_meta.forward.scale)
-        print("same", model.fp8_meta.forward.update_count.tolist())
+        print("same", model.fp8_meta.forward.update_count.tolist(),
+              "graphs", counters["stats"]["unique_graphs"])
     """
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
@@ -453,7 +457,7 @@ def test_fullgraph_as_the_processs_first_fp8_call() -> None:
         cwd=Path(__file__).resolve().parents[2],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "same [1, 1, 0]"
+    assert proc.stdout.strip() == "same [3, 3, 0] graphs 1"
 
 
 class _Checkpointed(torch.nn.Module):
@@ -524,3 +528,36 @@ def test_high_precision_call_traces_after_fp8_steps() -> None:
     x = torch.randn(8, 32, requires_grad=True)
     expected = torch.nn.functional.linear(x, model.weight, model.bias)
     assert torch.equal(compiled(x), expected)
+
+
+def test_a_compiled_function_calling_backward_compiles_no_update_event() -> None:
+    """A compiled function that runs forward and ``loss.backward()`` (the autocast around it):
+    the backward update event runs in the autograd engine's callback while Dynamo's frame hook
+    is installed, and must run eagerly, not be compiled into graphs of its own with graph
+    breaks that grow as the states change. Numbers as eager."""
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(f8.Linear(32, 64), torch.nn.ReLU(), f8.Linear(64, 16))
+
+    eager, base = make(), make()
+
+    def fwd_bwd(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    compiled = torch.compile(fwd_bwd, backend="aot_eager")
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(6):
+        x = torch.randn(16, 32, generator=gen)
+        losses = []
+        for model, fn in ((eager, fwd_bwd), (base, compiled)):
+            model.zero_grad(set_to_none=True)
+            with f8.autocast(recipe=RECIPES["delayed"]):
+                losses.append(fn(model, x))
+        assert torch.equal(*losses)
+    _assert_same_model(eager, base)
+    breaks = [reason.splitlines()[0] for reason in counters["graph_break"]]
+    assert all("backward" in reason.lower() for reason in breaks), breaks
+    assert counters["stats"]["unique_graphs"] <= 3, counters["stats"]
