@@ -318,7 +318,12 @@ a per-machine measurement, so a shape's bits do not depend on the CPU. Where the
 same on the development CPUs: docs/decisions/0236-small-cpu-fp8-gemm.md."""
 
 CPU_GEMM_BACKENDS = ("dequant", "scaled_mm")
-_cpu_backend: list[str] = []
+# Read at import, so a graph torch.compile traces finds it set (filling it while tracing made the
+# first compiled step recompile); a value not in CPU_GEMM_BACKENDS stays unread until the first
+# CPU GEMM, which raises naming it.
+_cpu_backend: list[str] = [
+    name for name in (os.environ.get("FP8KIT_CPU_GEMM", "dequant"),) if name in CPU_GEMM_BACKENDS
+]
 
 
 def cpu_gemm_backend() -> str:
