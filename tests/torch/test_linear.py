@@ -378,18 +378,24 @@ def test_double_backward_raises_instead_of_dropping_the_second_derivative() -> N
         (y.sum() + dx.square().sum()).backward()
 
 
-def test_under_torch_autocast_the_gemm_computes_in_its_dtype() -> None:
+@pytest.mark.parametrize(
+    ("m", "k", "n"),
+    [(8, 32, 16), (64, 256, 256), (60, 200, 136)],
+    ids=["small-gemm", "above-small-gemm", "padded"],
+)
+def test_under_torch_autocast_the_gemm_computes_in_its_dtype(m: int, k: int, n: int) -> None:
     """torch.autocast(bfloat16) around float32 parameters: input and bias are cast to bfloat16
     as nn.Linear's are there, so the step equals, bit for bit, the same layer fed a bfloat16
     input with a bfloat16 bias outside torch.autocast; the gradients of the float32 leaves are
-    float32."""
+    float32. GEMMs above SMALL_GEMM_MACS multiply upcast FP8 values with torch.mm, which must
+    keep its float32 products under torch.autocast."""
     torch.manual_seed(0)
-    layer = f8.Linear(32, 16)
-    twin = f8.Linear(32, 16)
+    layer = f8.Linear(k, n)
+    twin = f8.Linear(k, n)
     with torch.no_grad():
         twin.weight.copy_(layer.weight)
     twin.bias = torch.nn.Parameter(layer.bias.detach().to(torch.bfloat16))
-    x = torch.randn(8, 32, requires_grad=True)
+    x = torch.randn(m, k, requires_grad=True)
     x16 = x.detach().to(torch.bfloat16).requires_grad_()
     recipe = DelayedScaling(amax_history_len=4)
     with torch.autocast("cpu", dtype=torch.bfloat16), f8.autocast(recipe=recipe):
