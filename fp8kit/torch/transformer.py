@@ -177,18 +177,12 @@ class TransformerLayer(nn.Module):
         dtype = torch_autocast_dtype(x)
         if dtype is not None:
             x = x.to(dtype)
-        # Token-wise parts run on the input's own layout; only the attention core sees
-        # [b, heads, s, d] views (a transposed layer input would cost activation copies).
-        sbhd = self.attn_input_format == "sbhd"
-        s, b, h = x.shape if sbhd else (x.shape[1], x.shape[0], x.shape[2])
+        bshd = x if self.attn_input_format == "bshd" else x.transpose(0, 1)
+        b, s, h = bshd.shape
         mask = self._sdpa_mask(attention_mask, b, s)
         heads, head_dim = self.num_attention_heads, h // self.num_attention_heads
-        # [s, b, heads, d] (or [b, s, heads, d]) -> [b, heads, s, d], and back
-        to_core, from_core = ((1, 2, 0, 3), (2, 0, 1, 3)) if sbhd else ((0, 2, 1, 3),) * 2
-        qkv = self.layernorm_qkv(x, is_first_microbatch=is_first_microbatch)  # [*, 3h]
-        q, k, v = (
-            t.view(*x.shape[:2], heads, head_dim).permute(to_core) for t in qkv.chunk(3, dim=-1)
-        )
+        qkv = self.layernorm_qkv(bshd, is_first_microbatch=is_first_microbatch)  # [b, s, 3h]
+        q, k, v = (t.view(b, s, heads, head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         attn = F.scaled_dot_product_attention(
             q,
             k,
@@ -198,11 +192,12 @@ class TransformerLayer(nn.Module):
             is_causal=self.self_attn_mask_type == "causal",
             scale=1.0 / math.sqrt(head_dim),
         )
-        attn = attn.permute(from_core).reshape(x.shape)
+        attn = attn.transpose(1, 2).reshape(b, s, h)
         attn = self.proj(attn, is_first_microbatch=is_first_microbatch)
-        y = x + F.dropout(attn, self.hidden_dropout, self.training)
+        y = bshd + F.dropout(attn, self.hidden_dropout, self.training)
         mlp = self.layernorm_mlp(y, is_first_microbatch=is_first_microbatch)
-        return y + F.dropout(mlp, self.hidden_dropout, self.training)
+        out = y + F.dropout(mlp, self.hidden_dropout, self.training)
+        return out if self.attn_input_format == "bshd" else out.transpose(0, 1)
 
     def _sdpa_mask(
         self, attention_mask: torch.Tensor | None, b: int, s: int

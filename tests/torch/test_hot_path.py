@@ -215,30 +215,6 @@ def test_backward_under_torch_autocast_converts_each_gradient_once(counted) -> N
     assert torch.equal(layer.bias.grad, dy.float().sum(0).bfloat16().float())
 
 
-def test_transformer_layer_sbhd_costs_what_bshd_costs(counted) -> None:
-    """TE's default ``[s, b, h]`` layout runs the same kernels per training step as ``[b, s, h]``:
-    the token-wise GEMMs and norms take the input as it comes, only the attention core gets
-    permuted views (a layer run on a transposed input copies activations forward and back)."""
-    s, b, h = 16, 2, 64
-    recipe = RECIPES["delayed"]
-    counts = {}
-    for layout in ("sbhd", "bshd"):
-        torch.manual_seed(0)
-        layer = f8.TransformerLayer(h, 128, 4, hidden_dropout=0.0, attention_dropout=0.0,
-                                    attn_input_format=layout)  # fmt: skip
-        x = torch.randn((s, b, h) if layout == "sbhd" else (b, s, h), requires_grad=True)
-        dy = torch.randn_like(x)
-        for _ in range(2):
-            _step(layer, x, dy, recipe)
-        x.grad = None
-        layer.zero_grad(set_to_none=True)
-        c = counted()
-        with c:
-            _step(layer, x, dy, recipe)
-        counts[layout] = c.ops
-    assert counts["sbhd"] == counts["bshd"]
-
-
 @pytest.mark.parametrize("batch_first", [False, True])
 def test_multihead_attention_step_copies_no_activation(counted, batch_first) -> None:
     """Self-attention through ``scaled_dot_product_attention`` (``need_weights=False``): the

@@ -133,25 +133,19 @@ def test_fp8_gemms_are_e4m3_gemms_and_the_rest_is_float64_math(monkeypatch, mask
     assert (qkv.weight.shape, proj.weight.shape) == ((3 * H, H), (H, H))
     assert (fc1.weight.shape, fc2.weight.shape) == ((F_, H), (H, F_))
     p = {n: t.detach().double() for n, t in layer.named_parameters()}
-    # The GEMMs see the tokens in the input's [s, b, h] order; the attention core is checked in
-    # _attention64's [b, s, *].
-    assert qkv.x.shape == (S, B, H)
-    xs = x.detach().double()
-
-    def bsh(t: torch.Tensor) -> torch.Tensor:
-        return t.double().transpose(0, 1)
+    xb = x.detach().double().transpose(0, 1)  # [b, s, h]
 
     def close(got: torch.Tensor, want: torch.Tensor) -> None:
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
-    close(qkv.x, _norm64(xs, "LayerNorm", p["layernorm_qkv.layer_norm_weight"],
+    close(qkv.x, _norm64(xb, "LayerNorm", p["layernorm_qkv.layer_norm_weight"],
                          p["layernorm_qkv.layer_norm_bias"]))  # fmt: skip
-    close(bsh(proj.x), _attention64(bsh(qkv.y), mask))
-    y = xs + proj.y.double()
+    close(proj.x, _attention64(qkv.y.double(), mask))
+    y = xb + proj.y.double()
     close(fc1.x, _norm64(y, "LayerNorm", p["layernorm_mlp.layer_norm_weight"],
                          p["layernorm_mlp.layer_norm_bias"]))  # fmt: skip
     close(fc2.x, _act64(fc1.y.double(), "gelu"))
-    close(out.detach(), y + fc2.y.double())
+    close(out.detach().transpose(0, 1), y + fc2.y.double())
 
     for module in (layer.layernorm_qkv, layer.proj):
         assert module.fp8_meta.forward.update_count.tolist() == [1, 1, 0]
