@@ -196,8 +196,25 @@ def fp8_gemm(
         ``(M, N)`` tensor of ``out_dtype``.
     """
     a_scale_inv, b_scale_inv = _scalar(a_scale_inv), _scalar(b_scale_inv)
-    if a.is_cpu and cpu_gemm_backend() == "dequant":
-        return _dequant_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
+    if a.is_cpu:
+        if cpu_gemm_backend() == "dequant":
+            return _dequant_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
+        # torch's CPU _scaled_mm multiplies the dequantized operands with an mm that
+        # torch.autocast would run in its dtype; cuBLASLt's FP8 GEMM is not autocast's
+        with torch.autocast("cpu", enabled=False):
+            return _scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum)
+    return _scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum)
+
+
+def _scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    fast_accum: bool,
+) -> torch.Tensor:
     return torch._scaled_mm(
         a,
         b,

@@ -448,7 +448,8 @@ class _LinearFunction(torch.autograd.Function):
                     fast_dgrad,
                 )
             else:
-                dx = (dy.to(torch.float32) @ weight.to(torch.float32)).to(ctx.x_dtype)
+                with torch.autocast(dy.device.type, enabled=False):  # a backward run inside
+                    dx = (dy.to(torch.float32) @ weight.to(torch.float32)).to(ctx.x_dtype)
             if ctx.fp8_grad:
                 slot = bwd_slot(ctx.gemm, BwdSlot.GRAD_INPUT)
                 dx = dequantize_unchecked(run.quantize_backward(dx, slot)[0], dx.dtype)
@@ -464,8 +465,9 @@ class _LinearFunction(torch.autograd.Function):
                     None,
                     fast_wgrad,
                 )
-            else:
-                dw = (dy.to(torch.float32).t() @ x_hp.to(torch.float32)).to(weight.dtype)
+            else:  # float32 products wherever backward() is called (as the FP8 GEMMs)
+                with torch.autocast(dy.device.type, enabled=False):
+                    dw = (dy.to(torch.float32).t() @ x_hp.to(torch.float32)).to(weight.dtype)
         if need_db:
             if db is None:  # dY was not cast (both GEMMs high precision or not needed)
                 db = dy.to(torch.float32).sum(0)

@@ -383,12 +383,17 @@ def test_double_backward_raises_instead_of_dropping_the_second_derivative() -> N
     [(8, 32, 16), (64, 256, 256), (60, 200, 136)],
     ids=["small-gemm", "above-small-gemm", "padded"],
 )
-def test_under_torch_autocast_the_gemm_computes_in_its_dtype(m: int, k: int, n: int) -> None:
+@pytest.mark.parametrize("backend", gemm.CPU_GEMM_BACKENDS)
+def test_under_torch_autocast_the_gemm_computes_in_its_dtype(
+    m: int, k: int, n: int, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """torch.autocast(bfloat16) around float32 parameters: input and bias are cast to bfloat16
     as nn.Linear's are there, so the step equals, bit for bit, the same layer fed a bfloat16
-    input with a bfloat16 bias outside torch.autocast; the gradients of the float32 leaves are
-    float32. GEMMs above SMALL_GEMM_MACS multiply upcast FP8 values with torch.mm, which must
-    keep its float32 products under torch.autocast."""
+    input with a bfloat16 bias outside torch.autocast, with backward() called inside the
+    autocast; the gradients of the float32 leaves are float32. The FP8 GEMMs keep float32
+    products under torch.autocast: torch.mm of upcast values (above SMALL_GEMM_MACS) and torch's
+    CPU _scaled_mm both multiply with an mm that autocast would run in bfloat16."""
+    monkeypatch.setattr(gemm, "_cpu_backend", [backend])
     torch.manual_seed(0)
     layer = f8.Linear(k, n)
     twin = f8.Linear(k, n)
@@ -398,19 +403,38 @@ def test_under_torch_autocast_the_gemm_computes_in_its_dtype(m: int, k: int, n: 
     x = torch.randn(m, k, requires_grad=True)
     x16 = x.detach().to(torch.bfloat16).requires_grad_()
     recipe = DelayedScaling(amax_history_len=4)
-    with torch.autocast("cpu", dtype=torch.bfloat16), f8.autocast(recipe=recipe):
-        y = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with f8.autocast(recipe=recipe):
+            y = layer(x)
+        y.float().square().sum().backward()
     with f8.autocast(recipe=recipe):
         y16 = twin(x16)
-    assert y.dtype == torch.bfloat16 and torch.equal(y, y16)
-    y.float().square().sum().backward()
     y16.float().square().sum().backward()
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y16)
     assert x.grad.dtype == layer.weight.grad.dtype == layer.bias.grad.dtype == torch.float32
     assert torch.equal(x.grad, x16.grad.float())
     assert torch.equal(layer.weight.grad, twin.weight.grad)
     for a, b in ((layer.fp8_meta.forward, twin.fp8_meta.forward),
                  (layer.fp8_meta.backward, twin.fp8_meta.backward)):  # fmt: skip
         assert torch.equal(a.amax_history, b.amax_history)
+
+
+def test_high_precision_gradients_do_not_depend_on_where_backward_runs() -> None:
+    """override_linear_precision's dgrad and wgrad are float32 products, as the FP8 GEMMs':
+    backward() called inside torch.autocast gives the gradients it gives outside."""
+    recipe = DelayedScaling(amax_history_len=4, override_linear_precision=(True, True, True))
+    grads = []
+    for inside in (False, True):
+        torch.manual_seed(0)
+        layer = f8.Linear(64, 32)
+        x = torch.randn(48, 64, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=inside):
+            with torch.autocast("cpu", dtype=torch.bfloat16), f8.autocast(recipe=recipe):
+                y = layer(x)
+            y.float().square().sum().backward()
+        grads.append((x.grad, layer.weight.grad, layer.bias.grad))
+    for outside, inside in zip(*grads, strict=True):
+        assert outside.dtype == torch.float32 and torch.equal(outside, inside)
 
 
 def test_history_length_follows_the_recipe() -> None:
