@@ -9,6 +9,7 @@ zeros) before calling :func:`scaled_mm`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -196,34 +197,23 @@ def fp8_gemm(
         ``(M, N)`` tensor of ``out_dtype``.
     """
     a_scale_inv, b_scale_inv = _scalar(a_scale_inv), _scalar(b_scale_inv)
+    no_autocast: contextlib.AbstractContextManager = contextlib.nullcontext()
     if a.is_cpu:
         if cpu_gemm_backend() == "dequant":
             return _dequant_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
         # torch's CPU _scaled_mm multiplies the dequantized operands with an mm that
         # torch.autocast would run in its dtype; cuBLASLt's FP8 GEMM is not autocast's
-        with torch.autocast("cpu", enabled=False):
-            return _scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum)
-    return _scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum)
-
-
-def _scaled_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_scale_inv: torch.Tensor,
-    b_scale_inv: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None,
-    fast_accum: bool,
-) -> torch.Tensor:
-    return torch._scaled_mm(
-        a,
-        b,
-        scale_a=a_scale_inv,
-        scale_b=b_scale_inv,
-        bias=bias,
-        out_dtype=out_dtype,
-        use_fast_accum=fast_accum,
-    )
+        no_autocast = torch.autocast("cpu", enabled=False)
+    with no_autocast:
+        return torch._scaled_mm(
+            a,
+            b,
+            scale_a=a_scale_inv,
+            scale_b=b_scale_inv,
+            bias=bias,
+            out_dtype=out_dtype,
+            use_fast_accum=fast_accum,
+        )
 
 
 def fp8_gemm_bias(

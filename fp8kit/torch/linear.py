@@ -448,7 +448,8 @@ class _LinearFunction(torch.autograd.Function):
                     fast_dgrad,
                 )
             else:
-                with torch.autocast(dy.device.type, enabled=False):  # a backward run inside
+                # float32 products also when backward() runs inside torch.autocast
+                with torch.autocast(dy.device.type, enabled=False):
                     dx = (dy.to(torch.float32) @ weight.to(torch.float32)).to(ctx.x_dtype)
             if ctx.fp8_grad:
                 slot = bwd_slot(ctx.gemm, BwdSlot.GRAD_INPUT)
@@ -465,7 +466,7 @@ class _LinearFunction(torch.autograd.Function):
                     None,
                     fast_wgrad,
                 )
-            else:  # float32 products wherever backward() is called (as the FP8 GEMMs)
+            else:  # as dX
                 with torch.autocast(dy.device.type, enabled=False):
                     dw = (dy.to(torch.float32).t() @ x_hp.to(torch.float32)).to(weight.dtype)
         if need_db:
