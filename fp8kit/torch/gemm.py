@@ -327,12 +327,11 @@ a per-machine measurement, so a shape's bits do not depend on the CPU. Where the
 same on the development CPUs: docs/decisions/0236-small-cpu-fp8-gemm.md."""
 
 CPU_GEMM_BACKENDS = ("dequant", "scaled_mm")
-# Read at import, so a graph torch.compile traces finds it set (filling it while tracing made the
-# first compiled step recompile); a value not in CPU_GEMM_BACKENDS stays unread until the first
-# CPU GEMM, which raises naming it.
-_cpu_backend: list[str] = [
-    name for name in (os.environ.get("FP8KIT_CPU_GEMM", "dequant"),) if name in CPU_GEMM_BACKENDS
-]
+# Read at import, so a graph torch.compile traces finds the backend set (choosing it while
+# tracing made the first compiled step recompile); a value not in CPU_GEMM_BACKENDS is kept out
+# until the first CPU GEMM, which raises naming it.
+_ENV_CPU_BACKEND = os.environ.get("FP8KIT_CPU_GEMM", "dequant")
+_cpu_backend: list[str] = [_ENV_CPU_BACKEND] if _ENV_CPU_BACKEND in CPU_GEMM_BACKENDS else []
 
 
 def cpu_gemm_backend() -> str:
@@ -342,7 +341,7 @@ def cpu_gemm_backend() -> str:
     See docs/decisions/0001-cpu-fp8-gemm-backend.md for why the default is not ``_scaled_mm``.
     """
     if not _cpu_backend:
-        set_cpu_gemm_backend(os.environ.get("FP8KIT_CPU_GEMM", "dequant"))
+        set_cpu_gemm_backend(_ENV_CPU_BACKEND)  # raises: the variable holds no backend
     return _cpu_backend[0]
 
 

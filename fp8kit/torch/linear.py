@@ -448,9 +448,7 @@ class _LinearFunction(torch.autograd.Function):
                     fast_dgrad,
                 )
             else:
-                # float32 products also when backward() runs inside torch.autocast
-                with torch.autocast(dy.device.type, enabled=False):
-                    dx = (dy.to(torch.float32) @ weight.to(torch.float32)).to(ctx.x_dtype)
+                dx = _float32_mm(dy, weight, ctx.x_dtype)
             if ctx.fp8_grad:
                 slot = bwd_slot(ctx.gemm, BwdSlot.GRAD_INPUT)
                 dx = dequantize_unchecked(run.quantize_backward(dx, slot)[0], dx.dtype)
@@ -466,9 +464,8 @@ class _LinearFunction(torch.autograd.Function):
                     None,
                     fast_wgrad,
                 )
-            else:  # as dX
-                with torch.autocast(dy.device.type, enabled=False):
-                    dw = (dy.to(torch.float32).t() @ x_hp.to(torch.float32)).to(weight.dtype)
+            else:
+                dw = _float32_mm(dy.t(), x_hp, weight.dtype)
         if need_db:
             if db is None:  # dY was not cast (both GEMMs high precision or not needed)
                 db = dy.to(torch.float32).sum(0)
@@ -477,6 +474,14 @@ class _LinearFunction(torch.autograd.Function):
         else:
             db = None
         return dx, dw, db, None, None, None, None, None
+
+
+def _float32_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` in float32, rounded once to ``out_dtype``: a high-precision gradient GEMM
+    (``override_linear_precision``), float32 also when backward() runs inside
+    ``torch.autocast``, as the FP8 GEMMs' products are."""
+    with torch.autocast(a.device.type, enabled=False):
+        return (a.to(torch.float32) @ b.to(torch.float32)).to(out_dtype)
 
 
 _TWICE = SECOND_DERIVATIVE_ERROR.encode()
