@@ -1,0 +1,103 @@
+"""Training runs for test_cuda_route.py, in a subprocess started with ``TRITON_INTERPRET=1`` and
+``FP8KIT_CPU_GEMM=scaled_mm``.
+
+On a CUDA machine the torch frontend's hot path differs from the CPU one in its kernel route:
+every cast goes through the checked :func:`fp8kit.torch.kernels.cast_fp8` to the Triton kernels
+(no prepared native call), the update events run the Triton update kernel, the GEMMs are
+``torch._scaled_mm`` and the FP8 output / gradient dequantize in torch ops. :func:`main` trains
+the same models once on the CPU route and once with CPU tensors sent down that route (the
+Triton kernels under the interpreter, ``_scaled_mm``'s CPU implementation), and saves what each
+produced.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+
+import fp8kit.torch as f8
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from fp8kit.torch.kernels import dispatch
+
+STEPS = 3
+
+
+def _scenarios() -> dict[str, tuple[Callable[[], Recipe], torch.dtype, bool]]:
+    """name -> (recipe factory, parameter / input dtype, microbatches with the weight cache)."""
+    return {
+        "delayed float32": (lambda: DelayedScaling(amax_history_len=4), torch.float32, False),
+        "delayed bfloat16": (lambda: DelayedScaling(amax_history_len=4), torch.bfloat16, False),
+        "first step current": (
+            lambda: DelayedScaling(amax_history_len=2, first_step_scaling="current"),
+            torch.float32,
+            False,
+        ),
+        "current scaling": (lambda: Float8CurrentScaling(), torch.bfloat16, False),
+        "cached weights": (lambda: DelayedScaling(amax_history_len=4), torch.float32, True),
+    }
+
+
+def _model(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        f8.LayerNormMLP(64, 128, params_dtype=dtype),
+        f8.Linear(64, 48, params_dtype=dtype, fp8_output=True, fp8_grad=True),
+        f8.LayerNormLinear(48, 32, params_dtype=dtype),
+    )
+
+
+def _train(recipe: Recipe, dtype: torch.dtype, microbatches: bool) -> dict[str, object]:
+    """:data:`STEPS` steps (an inf in the second step's input); outputs, state and grads."""
+    model = _model(dtype)
+    gen = torch.Generator().manual_seed(1)
+    outputs = []
+    for step in range(STEPS):
+        x = (torch.randn(2, 16, 64, generator=gen) * (1 + 3 * step)).to(dtype)
+        if step == 1:
+            x[0, 0, 0] = float("inf")
+        for mb in range(2 if microbatches else 1):
+            with f8.autocast(recipe=recipe):
+                first = (mb == 0) if microbatches else None
+                y = model[2](model[1](model[0](x, is_first_microbatch=first)))
+            y.float().square().mean().backward()
+            outputs.append(y.detach().clone())
+    state = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {"outputs": outputs, "state": state, "grads": grads}
+
+
+def _route_cpu_tensors_as_cuda() -> dict[str, int]:
+    """Send CPU tensors down the CUDA route; returns the Triton kernels' call counts."""
+    backend = dispatch._load_triton()
+    if backend is None:
+        raise RuntimeError(f"the Triton backend is unavailable: {dispatch.triton_error()}")
+    calls = {"cast": 0, "cast_current": 0, "delayed_update": 0}
+    for name in calls:
+        kernel = getattr(backend, name)
+
+        def counted(*args: object, _kernel: Callable = kernel, _name: str = name) -> object:
+            calls[_name] += 1
+            return _kernel(*args)
+
+        setattr(backend, name, counted)
+    dispatch._auto = lambda x: ("triton", backend)  # type: ignore[assignment]
+    dispatch.load_native = lambda: None  # type: ignore[assignment]  # no prepared native casts
+    return calls
+
+
+def main(out_path: str) -> None:
+    results: dict[str, object] = {}
+    for route in ("cpu", "cuda"):
+        calls = _route_cpu_tensors_as_cuda() if route == "cuda" else None
+        for name, (recipe, dtype, microbatches) in _scenarios().items():
+            results[f"{route}/{name}"] = _train(recipe(), dtype, microbatches)
+        if calls is not None:
+            results["triton calls"] = calls
+            results["triton error"] = dispatch.triton_error()
+    torch.save(results, out_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
