@@ -96,10 +96,11 @@ def test_one_all_reduce_per_direction_per_event(two: list) -> None:
 
 
 def test_steady_reduced_event_makes_no_tensor_from_host_data(two: list) -> None:
-    """A steady-state event with reduction: the buffer (one cat), the all-reduce, one host read
-    of its three-float trailer, the reduced row copied into staging, then the bound update
-    kernel (a native call, no aten op). No tensor from Python numbers (``lift_fresh``: on CUDA
-    a blocking copy from pageable memory) and no masking ops."""
+    """A steady-state event with reduction: the buffer (one cat into the registry's buffer),
+    the all-reduce, one host read of its three-float trailer, then the bound update kernel
+    reading the reduced row where it is (a native call, no aten op): three kernels on CUDA, the
+    budget of issue 9. No tensor from Python numbers (``lift_fresh``: on CUDA a blocking copy
+    from pageable memory), no copy of the reduced row and no masking ops."""
     views = {"aten.slice.Tensor", "aten.select.int"}
     for res in scenario_result(two, "scenario_collective_count"):
         for n_modules in ("1", "6"):
@@ -108,10 +109,9 @@ def test_steady_reduced_event_makes_no_tensor_from_host_data(two: list) -> None:
             for ops in events:
                 launched = {name: k for name, k in ops.items() if name not in views}
                 assert launched == {
-                    "aten.cat.default": 1,
+                    "aten.cat.out": 1,
                     "c10d.allreduce_.default": 1,
                     "host reads": 1,
-                    "aten.copy_.default": 1,
                 }, n_modules
 
 

@@ -181,9 +181,12 @@ def run_case(
 
 
 def run_case_prepared(case: UpdateCase, backend: str) -> list[dict[str, torch.Tensor | None]]:
-    """Every event of ``case`` (no ``ran`` mask, no staging vector) through one function of
-    ``prepare_delayed_update``; the state after each one."""
+    """Every event of ``case`` (no ``ran`` mask) through one function of
+    ``prepare_delayed_update``; the state after each one. A case of staging vectors binds one
+    row and writes each event's values into it (as a multi-rank event's reduction buffer)."""
     state = initial_state(case)
+    staged = case.events[0][2]
+    row = torch.zeros(state["scale"].shape) if staged else None  # type: ignore[union-attr]
     update = kernels.prepare_delayed_update(
         state["history"],  # type: ignore[arg-type]
         state["scale"],  # type: ignore[arg-type]
@@ -194,14 +197,18 @@ def run_case_prepared(case: UpdateCase, backend: str) -> list[dict[str, torch.Te
         interval=case.interval,
         algo=case.algo,
         power_2_scale=case.power_2,
+        staging=row,
         nonfinite_count=state["nonfinite"],
         backend=backend,
     )
     out = []
     for values, ran, staging in case.events:
-        assert ran is None and not staging
-        history = state["history"]
-        history[0] = torch.maximum(history[0], torch.tensor(values))  # type: ignore[index]
+        assert ran is None and staging == staged
+        if row is not None:
+            row.copy_(torch.tensor(values))
+        else:
+            history = state["history"]
+            history[0] = torch.maximum(history[0], torch.tensor(values))  # type: ignore[index]
         update()
         out.append({k: (None if t is None else t.clone()) for k, t in state.items()})
     return out
@@ -252,7 +259,9 @@ def numpy_events(case: UpdateCase) -> list[dict[str, np.ndarray | None]]:
 
 
 def _unmasked(case: UpdateCase) -> bool:
-    return all(ran is None and not staging for _, ran, staging in case.events)
+    """No ``ran`` mask, and staging vectors in every event or in none."""
+    staged = {staging for _, _, staging in case.events}
+    return all(ran is None for _, ran, _ in case.events) and len(staged) == 1
 
 
 def check_results(
@@ -298,6 +307,7 @@ def test_prepared_update_matches_the_model(backend: str) -> None:
         pytest.skip(f"native kernel unavailable: {kernels.native_build_error()}")
     cases = tuple(case for case in update_cases() if _unmasked(case))
     assert len(cases) >= 15  # the worked numbers and several random grids
+    assert any(case.events[0][2] for case in cases)  # staging vectors among them
     check_results([run_case_prepared(case, backend) for case in cases], backend, cases)
 
 

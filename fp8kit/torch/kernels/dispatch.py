@@ -436,29 +436,31 @@ def prepare_delayed_update(
     interval: int = 1,
     algo: str = "max",
     power_2_scale: bool = False,
+    staging: torch.Tensor | None = None,
     nonfinite_count: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> Callable[[], int | None]:
-    """:func:`delayed_update_` over every column (no ``ran`` mask, no ``staging``), checked and
-    resolved once: returns a function of no arguments that runs one event, for a caller that
-    runs the same event on the same tensors again and again (docs/performance.md).
+    """:func:`delayed_update_` over every column (no ``ran`` mask), checked and resolved once:
+    returns a function of no arguments that runs one event, for a caller that runs the same
+    event on the same tensors again and again (docs/performance.md).
 
     The tensors are held by the returned function and must keep their storage (the CPU
-    function calls the kernel on their addresses). Arguments as in :func:`delayed_update_`.
+    function calls the kernel on their addresses). Arguments as in :func:`delayed_update_`;
+    a ``staging`` row (the reduced row of a multi-rank event) is read at each call.
 
     The function returns the number of columns whose event value was +inf where that costs no
     host synchronisation (the native CPU kernel), else None (read ``nonfinite_count`` then).
     Cost per call: CPU one native call (no aten op, no allocation); CUDA 1 kernel.
     """
     config = update_config(fmax, margin, interval, algo, power_2_scale)
-    _check_update(history, scale, scale_inv, count, None, None, nonfinite_count)
+    _check_update(history, scale, scale_inv, count, None, staging, nonfinite_count)
     if backend is not None:
         _forced(backend)  # an unknown or unavailable backend fails here, not at the first event
     if (backend or _auto(history)[0]) == "native":
         return native.prepare_delayed_update(
-            history, scale, scale_inv, count, config, nonfinite_count
+            history, scale, scale_inv, count, config, staging, nonfinite_count
         )
-    args = (history, scale, scale_inv, count, config, None, None, nonfinite_count)
+    args = (history, scale, scale_inv, count, config, None, staging, nonfinite_count)
     return functools.partial(_call, history, backend, "delayed_update", *args)
 
 

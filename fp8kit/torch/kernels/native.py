@@ -279,14 +279,15 @@ def prepare_delayed_update(
     scale_inv: torch.Tensor,
     count: torch.Tensor,
     config: UpdateConfig,
+    staging: torch.Tensor | None,
     nonfinite_count: torch.Tensor | None,
 ) -> Callable[[], int]:
     """:func:`fp8kit.torch.kernels.prepare_delayed_update` as one native call with its
     arguments bound."""
     lib = load_native()
-    args = _update_args(history, scale, scale_inv, count, config, None, None, nonfinite_count)
+    args = _update_args(history, scale, scale_inv, count, config, None, staging, nonfinite_count)
     args = _as_ctypes(lib.delayed_update.argtypes[: len(args)], args)
-    tensors = (history, scale, scale_inv, count, nonfinite_count)
+    tensors = (history, scale, scale_inv, count, staging, nonfinite_count)
     return _PreparedUpdate(lib.delayed_update, args, tensors)
 
 

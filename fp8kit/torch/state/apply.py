@@ -29,22 +29,28 @@ __all__ = ["NonfiniteAmaxWarning", "NonfiniteWatch", "apply_update", "prepared_u
 
 
 def prepared_update(
-    pool: StatePool, recipe: DelayedScaling, fmax: float
+    pool: StatePool, recipe: DelayedScaling, fmax: float, staging: torch.Tensor | None = None
 ) -> Callable[[], int | None] | None:
     """``apply_update(pool, recipe, fmax, None)`` as a function of no arguments whose kernel
     arguments were checked and bound once (:func:`~fp8kit.torch.kernels.prepare_delayed_update`:
     it returns the number of +inf event values, or None where that is not known without a host
     sync), kept on the pool until its tensors are replaced; None for callable algorithms (their
     rule runs in torch). The steady-state event of a registry whose states all ran
-    (docs/performance.md)."""
-    key = ("update", recipe, fmax)
-    update = pool.derived.get(key)
-    if update is None:
-        if not _builtin(recipe):
-            return None
-        tensors, rule = _kernel_args(pool, recipe, fmax)
-        update = pool.derived[key] = prepare_delayed_update(*tensors, **rule)
-    return update  # type: ignore[return-value]
+    (docs/performance.md).
+
+    ``staging``: a float32 ``(N,)`` row the event reads instead of the history's row 0 (the
+    reduction buffer of a multi-rank event, which the registry keeps from event to event; a
+    different tensor prepares the call again)."""
+    key = ("update", recipe, fmax, staging is not None)
+    prepared = pool.derived.get(key)
+    if prepared is not None and prepared[0] is staging:  # type: ignore[index]
+        return prepared[1]  # type: ignore[index, no-any-return]
+    if not _builtin(recipe):
+        return None
+    tensors, rule = _kernel_args(pool, recipe, fmax)
+    update = prepare_delayed_update(*tensors, staging=staging, **rule)
+    pool.derived[key] = (staging, update)
+    return update
 
 
 def _builtin(recipe: DelayedScaling) -> bool:

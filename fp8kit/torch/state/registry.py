@@ -222,6 +222,9 @@ class StateRegistry:
         self._verified_pg: Any = None  # the process group object it was agreed over
         # The reduction trailers of the verified layout, by (changed flag, device).
         self._trailers: dict[tuple[bool, torch.device], torch.Tensor] = {}
+        # The verified layout's reduction buffer by device, with its staging-row and trailer
+        # views: the same tensors every event, so the update kernel is bound to the row once.
+        self._buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.pool = StatePool()
         self._nonfinite = NonfiniteWatch()
 
@@ -288,7 +291,7 @@ class StateRegistry:
             layout, self.group, distributed.collective_device(self.group, device)
         )
         self._verified, self._verified_pg, self._changed = layout, pg, False
-        self._trailers = {}
+        self._trailers, self._buffers = {}, {}
         return layout
 
     def _reduce(
@@ -302,19 +305,34 @@ class StateRegistry:
                 reduced again once the new layout is checked).
 
         Returns:
-            The reduced staging row and whether any rank flagged a changed registry.
+            The reduced staging row (a view of the registry's reduction buffer for ``layout``,
+            the same tensor at every event until the layout changes) and whether any rank
+            flagged a changed registry.
         """
         trailer = self._trailer(layout, staging is None, device)
+        buffer, row, reduced_trailer = self._buffer(layout, device)
         if staging is None:
-            buffer = torch.cat([torch.zeros(layout.num_slots, device=device), trailer])
-        else:
-            buffer = torch.cat([staging, trailer])
+            staging = torch.zeros(layout.num_slots, device=device)
+        torch.cat([staging, trailer], out=buffer)
         distributed.all_reduce_max(buffer, self.group, self.direction)
-        flag, high, neg_low = buffer[-_TRAILER:].tolist()  # the event's one host read
+        flag, high, neg_low = reduced_trailer.tolist()  # the event's one host read
         fp = float(layout.fingerprint)
         if high != fp or -neg_low != fp:
             distributed.raise_event_mismatch(layout, self.group)
-        return buffer[: layout.num_slots], flag > 0
+        return row, flag > 0
+
+    def _buffer(
+        self, layout: Layout, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The reduction buffer of ``layout`` on ``device`` (float32, staging row, padding and
+        trailer), its staging-row view and its trailer view; made once per verified layout."""
+        entry = self._buffers.get(device)
+        size = layout.num_slots + layout.padding + _TRAILER
+        if entry is None or entry[0].numel() != size:
+            buffer = torch.empty(size, device=device)
+            entry = (buffer, buffer[: layout.num_slots], buffer[-_TRAILER:])
+            self._buffers[device] = entry
+        return entry
 
     def _trailer(self, layout: Layout, changed: bool, device: torch.device) -> torch.Tensor:
         """``layout.padding`` zeros, then ``[changed flag, fingerprint, -fingerprint]`` of the
@@ -365,9 +383,10 @@ class StateRegistry:
                     # Every member ran here, so the reduced row is at least the local one
                     # wherever that is not 0: taking it whole rolls exactly the slots that ran
                     # on some rank (the zero-skip rule skips the others), as the masked update.
-                    local.copy_(reduced)
-                    if self._prepared_event(fmax):
+                    # The bound kernel reads it where it is (and zeroes the rolled staging).
+                    if self._prepared_event(fmax, reduced):
                         return
+                    local.copy_(reduced)  # a callable algorithm reads the history's row 0
                 else:
                     # A slot that ran on any rank rolls on every rank; one that ran nowhere
                     # keeps its own leftover staging.
@@ -376,10 +395,11 @@ class StateRegistry:
             apply_update(self.pool, self.recipe, fmax, mask)
             self._nonfinite.check(self.pool, self.states, self.direction, self.recipe)
 
-    def _prepared_event(self, fmax: float) -> bool:
-        """Update every column with the pool's bound kernel; False (nothing done) for callable
-        algorithms, which take :func:`apply_update`."""
-        update = prepared_update(self.pool, self.recipe, fmax)
+    def _prepared_event(self, fmax: float, staging: torch.Tensor | None = None) -> bool:
+        """Update every column with the pool's bound kernel (reading ``staging`` in place of
+        the history's row 0 when given); False (nothing done) for callable algorithms, which
+        take :func:`apply_update`."""
+        update = prepared_update(self.pool, self.recipe, fmax, staging)
         if update is None:
             return False
         if update() != 0:  # an inf came in, or the count is unknown (None): look
