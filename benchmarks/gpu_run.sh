@@ -32,7 +32,7 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 status=0
-gpu_only="test_triton_on_the_gpu or test_real_cuda_graphs or test_cuda_compiled_modes"
+gpu_only="test_triton_on_the_gpu or test_real_cuda_graphs or test_cuda_compiled_modes or test_cuda_masked_events_never_sync"
 # Each takes its time limit in seconds (0: none); the benchmarks then their extra options.
 gpu_tests() {
   timeout "$1" python3 -m pytest -v -ra tests/torch -k "$gpu_only" -p no:cacheprovider 2>&1 \

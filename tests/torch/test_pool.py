@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import copy
 import gc
+import random
+import warnings
 
 import numpy as np
+import pytest
 import torch
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch.state import ScalingState, registry_for, update_states
+from fp8kit.torch.state.apply import NonfiniteAmaxWarning
+from fp8kit.torch.state.pool import StatePool
 from tests.reference import update_reference
 
 RECIPE = DelayedScaling(amax_history_len=4, margin=3)  # a registry of its own in this module
@@ -123,3 +128,49 @@ def test_a_new_model_after_a_dead_one_is_updated() -> None:
             assert [m.fp8_meta.forward.update_count[0].item() for m in model] == [step + 1] * 2
         del model
         gc.collect()
+
+
+def test_slot_masks_hold_the_chosen_members_columns() -> None:
+    """A masked event's mask and column indices (made from host values, cached per set)."""
+    states = [ScalingState(n, history_len=4) for n in (3, 2, 3)]
+    pool = StatePool()
+    pool.sync(states)
+    mask = pool.slot_mask([states[2], states[0]])
+    assert mask.dtype == torch.bool and mask.tolist() == [True] * 3 + [False] * 2 + [True] * 3
+    assert pool.columns_of(mask).tolist() == [0, 1, 2, 5, 6, 7]
+    assert pool.slot_mask([states[0], states[2]]) is mask  # cached per set, in any order
+    assert pool.columns_of(pool.slot_mask([states[1]])).tolist() == [3, 4]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_masked_events_never_sync() -> None:
+    """Experts chosen at random each step (a new mask pattern most steps) and an inf amax: the
+    steady steps make no host synchronisation (masks go through pinned memory; the non-finite
+    watch copies its counts asynchronously into one pinned buffer)."""
+    torch.manual_seed(0)
+    experts = [f8.Linear(64, 64, device="cuda") for _ in range(6)]
+    recipe = DelayedScaling(amax_history_len=4)
+    rng = random.Random(0)
+
+    def step(i: int, chosen: list[int]) -> None:
+        x = torch.randn(32, 64, device="cuda")
+        if i == 4:
+            x[0, 0] = float("inf")
+        with f8.autocast(recipe=recipe):
+            loss = sum(experts[e](x).sum() for e in chosen)
+        loss.backward()  # type: ignore[union-attr]
+
+    step(0, list(range(6)))  # every expert registers, binds the recipe, compiles its kernels
+    step(1, [0, 1])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NonfiniteAmaxWarning)
+            for i in range(2, 10):
+                step(i, rng.sample(range(6), 3))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    counts = torch.cat([e.fp8_meta.forward.nonfinite_count for e in experts]).cpu()
+    assert int(counts.sum()) > 0  # the inf reached the histories of the experts that ran

@@ -125,8 +125,9 @@ class NonfiniteWatch:
     """
 
     def __init__(self) -> None:
-        self._host: torch.Tensor | None = None  # last copy of the counts
-        self._ready: Any = None  # CUDA event of that copy, None when it is complete
+        self._host: torch.Tensor | None = None  # the counts' copy in flight, None when none is
+        self._pinned: torch.Tensor | None = None  # CUDA: the pinned buffer the copies land in
+        self._ready: Any = None  # CUDA event recorded after the copy (reused)
         self._seen = np.zeros(0, dtype=np.int64)  # counts already reported, per pool column
         # The pool's count tensor those columns describe: a rebuilt pool (members joined or
         # left) has new columns, so what was seen is forgotten (the once-per-state record in
@@ -151,15 +152,19 @@ class NonfiniteWatch:
         if counts.device.type == "cpu":
             self._report(counts.numpy(), members, direction, recipe)
             return
-        if self._host is not None and (self._ready is None or self._ready.query()):
+        if self._host is not None and self._ready.query():
             if self._host.shape == counts.shape:
                 self._report(self._host.numpy(), members, direction, recipe)
             self._host = None
         if self._host is None and counts.device.type == "cuda":
-            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            # One pinned buffer and one event, reused: the copy is asynchronous on the counts'
+            # device's current stream, and the next copy waits until this one has been read.
+            if self._pinned is None or self._pinned.shape != counts.shape:
+                self._pinned = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+                self._ready = torch.cuda.Event()
+            self._host = self._pinned
             self._host.copy_(counts, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+            self._ready.record(torch.cuda.current_stream(counts.device))
 
     def _report(
         self,

@@ -18,9 +18,22 @@ import torch
 
 from fp8kit.torch.state.buffers import ScalingState, buffer_generation
 
-__all__ = ["StatePool"]
+__all__ = ["StatePool", "host_to_device"]
 
 _MAX_CACHED_MASKS = 64
+
+
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor of the Python ``values`` on ``device``, without making the host wait.
+
+    A copy from pageable host memory to a GPU blocks the host until the GPU has run everything
+    queued before it. On a CUDA device the values go through pinned memory with an asynchronous
+    copy instead (torch's pinned-memory cache keeps the block until the copy has read it);
+    elsewhere the tensor is made in place (docs/performance.md, "No host synchronisation")."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class StatePool:
@@ -135,8 +148,9 @@ class StatePool:
     def slot_mask(self, chosen: Sequence[ScalingState]) -> torch.Tensor:
         """Boolean ``(N,)`` device mask of the columns of the ``chosen`` member states.
 
-        Cached per set of states until the pool is rebuilt: a host-to-device copy from pageable
-        memory blocks the host, so a recurring pattern (e.g. the same experts idle) copies once.
+        Cached per set of states until the pool is rebuilt, so a recurring pattern (e.g. the
+        same experts idle) is copied to the device once; a new pattern (routing that changes
+        every step) costs two asynchronous copies (:func:`host_to_device`), no host wait.
         """
         wanted = frozenset(id(s) for s in chosen)
         mask = self._masks.get(wanted)
@@ -147,13 +161,13 @@ class StatePool:
                 if state is not None:
                     flags += [id(state) in wanted] * state.num_slots
             device = self.history.device
-            mask = torch.tensor(flags, dtype=torch.bool).to(device)
-            columns = torch.tensor([i for i, f in enumerate(flags) if f], dtype=torch.int64)
+            mask = host_to_device(flags, torch.bool, device)
+            columns = host_to_device([i for i, f in enumerate(flags) if f], torch.int64, device)
             if len(self._masks) >= _MAX_CACHED_MASKS:  # patterns keep changing: stay bounded
                 self._masks.clear()
                 self._columns.clear()
             self._masks[wanted] = mask
-            self._columns[id(mask)] = columns.to(device)
+            self._columns[id(mask)] = columns
         return mask
 
     def columns_of(self, mask: torch.Tensor) -> torch.Tensor:
