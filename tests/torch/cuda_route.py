@@ -12,14 +12,19 @@ produced.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
-from fp8kit.torch.kernels import dispatch
+from fp8kit.torch.kernels import dispatch, triton_cast, triton_update
+from tests.torch.test_hot_path import NO_KERNEL_OPS
 
 STEPS = 3
 
@@ -87,6 +92,82 @@ def _route_cpu_tensors_as_cuda() -> dict[str, int]:
     return calls
 
 
+_TRITON_KERNELS = (
+    (triton_cast, ("_cast_1d_kernel", "_cast_2d_kernel", "_dbias_kernel", "_amax_kernel")),
+    (triton_update, ("_delayed_update_kernel",)),
+)
+
+
+class _Launches(TorchDispatchMode):
+    """What a GPU would launch while active: Triton kernels by name and the aten ops that run a
+    kernel (views and allocations excluded; the interpreter's own ops inside a Triton launch
+    are not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.inside_triton = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = str(func)
+        if not self.inside_triton and name not in NO_KERNEL_OPS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _CountedKernel:
+    """A Triton kernel whose launches ``kernel[grid](...)`` are counted by the active
+    :class:`_Launches`."""
+
+    active: _Launches | None = None
+
+    def __init__(self, name: str, kernel: Any) -> None:
+        self.name, self.kernel = name, kernel
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        launch = self.kernel[grid]
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counter = _CountedKernel.active
+            if counter is None:
+                return launch(*args, **kwargs)
+            counter.ops[f"triton.{self.name}"] += 1
+            counter.inside_triton = True
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                counter.inside_triton = False
+
+        return counted
+
+
+def _count_triton_launches() -> None:
+    for module, names in _TRITON_KERNELS:
+        for name in names:
+            setattr(module, name, _CountedKernel(name, getattr(module, name)))
+
+
+def launches_per_step(dtype: torch.dtype, recipe: Recipe) -> dict[str, int]:
+    """The launches of one steady training step of one biased ``Linear(64, 64)`` on the
+    current route, by name: forward, backward (given a dense ``dY``, gradients set to None
+    before, so no accumulation op runs) and the two update events."""
+    torch.manual_seed(0)
+    layer = f8.Linear(64, 64, params_dtype=dtype)
+    x = torch.randn(32, 64, dtype=dtype, requires_grad=True)
+    dy = torch.randn(32, 64, dtype=dtype)
+    counter = _Launches()
+    for step in range(3):
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        _CountedKernel.active = counter if step == 2 else None
+        with counter if step == 2 else contextlib.nullcontext():
+            with f8.autocast(recipe=recipe):
+                y = layer(x)
+            y.backward(dy)
+        _CountedKernel.active = None
+    return dict(counter.ops)
+
+
 def main(out_path: str) -> None:
     results: dict[str, object] = {}
     for route in ("cpu", "cuda"):
@@ -96,6 +177,11 @@ def main(out_path: str) -> None:
         if calls is not None:
             results["triton calls"] = calls
             results["triton error"] = dispatch.triton_error()
+            _count_triton_launches()
+            for dtype in (torch.bfloat16, torch.float32):
+                for recipe in (DelayedScaling(amax_history_len=4), Float8CurrentScaling()):
+                    key = f"launches/{type(recipe).__name__}/{dtype}"
+                    results[key] = launches_per_step(dtype, recipe)
     torch.save(results, out_path)
 
 

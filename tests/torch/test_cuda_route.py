@@ -69,3 +69,33 @@ def test_cuda_route_equals_cpu_route(routes: dict[str, object], scenario: str) -
     scales = [v for k, v in cpu["state"].items() if k.endswith("forward.scale")]
     if "current" not in scenario or "first step" in scenario:
         assert scales and any(bool((s != 1).any()) for s in scales)
+
+
+_LAYER = {"triton._cast_2d_kernel": 3, "aten._scaled_mm.default": 3, "triton._dbias_kernel": 1}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "dtype", "expected"),
+    [
+        ("DelayedScaling", "torch.bfloat16", {**_LAYER, "triton._delayed_update_kernel": 2}),
+        (
+            "DelayedScaling",
+            "torch.float32",  # cuBLASLt fuses a bias into a 16-bit output only
+            {**_LAYER, "aten.add.Tensor": 1, "triton._delayed_update_kernel": 2},
+        ),
+        ("Float8CurrentScaling", "torch.bfloat16", {**_LAYER, "triton._amax_kernel": 3}),
+    ],
+)
+def test_cuda_route_kernels_per_linear_step(
+    routes: dict[str, object], recipe: str, dtype: str, expected: dict[str, int]
+) -> None:
+    """What a GPU launches for one steady step of a biased Linear, counted on the CUDA route:
+    per cast one Triton pass (x and W with their transposes, dY with its transpose and the
+    bias gradient's per-tile partial sums, which one small kernel reduces), three
+    ``_scaled_mm`` and one update kernel per event. Issue 9's budget: at most 8 kernels per
+    Linear forward + backward under delayed scaling, at most 3 per update event."""
+    launches = routes[f"launches/{recipe}/{dtype}"]
+    assert launches == expected
+    layer = {k: v for k, v in launches.items() if k != "triton._delayed_update_kernel"}
+    if recipe == "DelayedScaling":
+        assert sum(layer.values()) <= 8
