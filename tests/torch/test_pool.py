@@ -14,7 +14,7 @@ import torch
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch.state import ScalingState, registry_for, update_states
-from fp8kit.torch.state.apply import NonfiniteAmaxWarning
+from fp8kit.torch.state.apply import GPU_CHECK_INTERVAL, NonfiniteAmaxWarning
 from fp8kit.torch.state.pool import StatePool
 from tests.reference import update_reference
 
@@ -146,7 +146,8 @@ def test_slot_masks_hold_the_chosen_members_columns() -> None:
 def test_cuda_masked_events_never_sync() -> None:
     """Experts chosen at random each step (a new mask pattern most steps) and an inf amax: the
     steady steps make no host synchronisation (masks go through pinned memory; the non-finite
-    watch copies its counts asynchronously into one pinned buffer)."""
+    watch copies its counts asynchronously into one pinned buffer every GPU_CHECK_INTERVAL
+    events), and the warning still comes within about two intervals of forward events."""
     torch.manual_seed(0)
     experts = [f8.Linear(64, 64, device="cuda") for _ in range(6)]
     recipe = DelayedScaling(amax_history_len=4)
@@ -165,12 +166,13 @@ def test_cuda_masked_events_never_sync() -> None:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", NonfiniteAmaxWarning)
-            for i in range(2, 10):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", NonfiniteAmaxWarning)
+            for i in range(2, 6 + 2 * GPU_CHECK_INTERVAL + 2):
                 step(i, rng.sample(range(6), 3))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     counts = torch.cat([e.fp8_meta.forward.nonfinite_count for e in experts]).cpu()
     assert int(counts.sum()) > 0  # the inf reached the histories of the experts that ran
+    assert any(issubclass(w.category, NonfiniteAmaxWarning) for w in caught)

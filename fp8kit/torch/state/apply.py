@@ -116,12 +116,21 @@ def _rule_update(
     pool.scale_inv[columns] = torch.reciprocal(new_scale)
 
 
+GPU_CHECK_INTERVAL = 8
+"""On CUDA, :class:`NonfiniteWatch` looks at the counts at every this many events: each look
+is host work (an event query, an asynchronous copy, a comparison) of the order of a kernel
+launch, too much for every event of a small model's step."""
+
+
 class NonfiniteWatch:
     """Warns once per state when an infinite amax entered its history, without a host sync.
 
-    After each event the pool's ``nonfinite_count`` is copied to the host asynchronously (CUDA:
-    pinned buffer + event); the next event reads that copy only if it has arrived. On the CPU
-    the counts are read in place. So the warning comes one event late at most and never waits.
+    On the CPU the counts are read in place after each event. On CUDA every
+    :data:`GPU_CHECK_INTERVAL`-th event copies the pool's ``nonfinite_count`` to the host
+    asynchronously (one pinned buffer and one event, reused), and a later check reads that copy
+    once it has arrived. So on CUDA the warning comes up to about two intervals of events late,
+    never waits for the GPU, and costs the other events one integer test: the counts themselves
+    are exact on the device at every event (docs/performance.md, "No host synchronisation").
     """
 
     def __init__(self) -> None:
@@ -133,6 +142,7 @@ class NonfiniteWatch:
         # left) has new columns, so what was seen is forgotten (the once-per-state record in
         # _warned keeps a state from warning twice).
         self._tracked: torch.Tensor | None = None
+        self._events_since_check = 0  # CUDA: events since the last look at the copy
 
     def check(
         self,
@@ -152,11 +162,17 @@ class NonfiniteWatch:
         if counts.device.type == "cpu":
             self._report(counts.numpy(), members, direction, recipe)
             return
+        if counts.device.type != "cuda":
+            return
+        self._events_since_check += 1
+        if self._events_since_check < GPU_CHECK_INTERVAL:
+            return
+        self._events_since_check = 0
         if self._host is not None and self._ready.query():
             if self._host.shape == counts.shape:
                 self._report(self._host.numpy(), members, direction, recipe)
             self._host = None
-        if self._host is None and counts.device.type == "cuda":
+        if self._host is None:
             # One pinned buffer and one event, reused: the copy is asynchronous on the counts'
             # device's current stream, and the next copy waits until this one has been read.
             if self._pinned is None or self._pinned.shape != counts.shape:
