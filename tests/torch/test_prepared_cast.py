@@ -13,6 +13,7 @@ import fp8kit.torch as f8
 from fp8kit.formats import E4M3, E5M2
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch import kernels
+from fp8kit.torch.kernels import dispatch
 from tests.torch.test_kernels import _matrix
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -148,3 +149,44 @@ def test_prepared_casts_and_events_follow_share_memory() -> None:
             sa, sb = getattr(a.fp8_meta, direction), getattr(b.fp8_meta, direction)
             for name in ("amax_history", "scale", "scale_inv", "update_count"):
                 assert torch.equal(getattr(sa, name), getattr(sb, name)), (direction, name)
+
+
+class _FailingTriton:
+    """A Triton backend whose cast fails once it is launched (a compile or launch error)."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def cast(self, *args: object) -> None:
+        self.launches += 1
+        raise RuntimeError("PTX JIT compilation failed")
+
+
+def test_prepared_triton_cast_falls_back_once_a_launch_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the Triton route a failing launch warns once, gives the torch kernels' bits, and
+    every later call of any prepared cast skips Triton (as ``cast_fp8`` does)."""
+    failing = _FailingTriton()
+    monkeypatch.setitem(dispatch._triton_state, "backend", failing)
+    monkeypatch.setitem(dispatch._triton_state, "error", None)
+
+    def auto(x: torch.Tensor) -> tuple[str, object]:  # CPU tensors routed as CUDA ones
+        on = dispatch._triton_state["backend"] is failing
+        return ("triton", failing) if on else ("reference", dispatch.reference)
+
+    monkeypatch.setattr(dispatch, "_auto", auto)
+    monkeypatch.setattr(dispatch, "load_native", lambda: None)  # cast_fp8: the torch kernels
+    scale, amax = torch.tensor([0.5]), torch.zeros(1)
+    cast = kernels.prepare_cast(scale, E4M3, amax_out=amax)
+    assert type(cast).__name__ == "_PreparedTritonCast"
+    x = _matrix(16, 24, torch.bfloat16, seed=5)
+    with pytest.warns(kernels.NativeKernelWarning, match="PTX JIT compilation failed"):
+        got = cast(x, True, True)
+    want = kernels.cast_fp8(x, scale, E4M3, transpose=True, dbias=True, backend="reference")
+    for name in ("data", "data_t", "scale_inv", "dbias"):
+        assert _same(getattr(got, name), getattr(want, name)), name
+    assert float(amax) == float(x.float().abs().max())
+    again = cast(x, False, False)  # the backend is off now: no second launch, no warning
+    assert failing.launches == 1 and _same(again.data, want.data)
+    assert "PTX JIT" in (kernels.triton_error() or "")

@@ -272,8 +272,9 @@ def prepare_cast(
     Returns ``cast(x, transpose, dbias)``, equal to ``cast_fp8(x, scale, fp8_dtype,
     transpose=transpose, amax_out=amax_out, dbias=dbias, first_step_current=...)`` bit for bit.
     On the CPU with the native library it is one native call with the bound tensors' addresses
-    (they must keep their storage; the function holds them); elsewhere, and for an ``x`` the
-    bound call cannot take, it is :func:`cast_fp8` itself (its checks and backends).
+    (they must keep their storage; the function holds them); on CUDA with Triton, the Triton
+    launch with the bound tensors, after the checks that depend on ``x``; elsewhere, and for an
+    ``x`` the bound call cannot take, it is :func:`cast_fp8` itself (its checks and backends).
     """
     if not (isinstance(scale, torch.Tensor) and scale.dtype is _F32 and scale.numel() == 1):
         raise TypeError(
@@ -296,9 +297,55 @@ def prepare_cast(
             first_step_current=first_step_current,
         )
 
-    if scale.is_cpu and not torch.compiler.is_compiling() and load_native() is not None:
+    name, impl = _auto(scale)
+    if name == "native":
         return native.PreparedCast(scale, dtype, amax_out, first_step_current, fallback)
+    if name == "triton":
+        return _PreparedTritonCast(impl, scale, dtype, amax_out, first_step_current, fallback)  # type: ignore[arg-type]
     return fallback
+
+
+class _PreparedTritonCast:
+    """:func:`prepare_cast`'s function on CUDA: the Triton cast with the slot's tensors and
+    format bound, so a call checks only what depends on ``x`` (its dtype, device, size and
+    rank) before the launch. An ``x`` it cannot take goes to ``fallback`` (:func:`cast_fp8`,
+    whose checks raise the clear errors); a failing launch switches the process to the torch
+    kernels, as :func:`cast_fp8` does (:func:`_triton_failed`)."""
+
+    __slots__ = ("_amax_out", "_backend", "_count", "_device", "_fallback", "_scale", "_specs")
+
+    def __init__(
+        self,
+        backend: _TritonBackend,
+        scale: torch.Tensor,
+        fp8_dtype: torch.dtype,
+        amax_out: torch.Tensor | None,
+        first_step_count: torch.Tensor | None,
+        fallback: Callable[[torch.Tensor, bool, bool], CastResult],
+    ) -> None:
+        self._backend = backend
+        self._scale, self._amax_out, self._count = scale, amax_out, first_step_count
+        self._device = scale.get_device()
+        self._specs = {dt: cast_spec(fp8_dtype, torch.empty(0, dtype=dt)) for dt in INPUT_DTYPES}
+        self._fallback = fallback
+
+    def __call__(self, x: torch.Tensor, transpose: bool, dbias: bool) -> CastResult:
+        spec = self._specs.get(x.dtype)
+        if (
+            spec is None
+            or _triton_state["backend"] is not self._backend  # a kernel failed since
+            or x.get_device() != self._device
+            or not x.numel()
+            or ((transpose or dbias) and x.dim() != 2)
+        ):
+            return self._fallback(x, transpose, dbias)
+        try:
+            return self._backend.cast(  # type: ignore[no-any-return]
+                x, self._scale, spec, transpose, self._amax_out, dbias, self._count
+            )
+        except Exception as exc:  # compile / launch failure: the torch kernels from now on
+            _triton_failed(exc)
+            return self._fallback(x, transpose, dbias)
 
 
 def cast_fp8_current(
