@@ -379,6 +379,39 @@ def scenario_no_grad_leftover(rank: int, world: int, workdir: str) -> dict[str, 
     return {"b": out}
 
 
+def scenario_kept_reduction_buffers(rank: int, world: int, workdir: str) -> dict[str, Any]:
+    """The registry keeps its reduction buffer from event to event: one made by a calibration
+    pass under ``torch.inference_mode`` must take later training events, and one made under a
+    float64 default dtype must stay float32 (as the states are)."""
+    torch.manual_seed(0)
+    layer = f8.Linear(16, 16)
+    recipe = _recipe(19)
+    with torch.inference_mode():
+        for _ in range(2):
+            with f8.autocast(enabled=False, calibrating=True, recipe=recipe):
+                layer(_x(1.0 + rank))
+    calibrated = _meta(layer)["forward"]
+    for _ in range(2):
+        with f8.autocast(recipe=recipe):
+            y = layer(_x(2.0 + rank))
+        y.sum().backward()
+    trained = _meta(layer)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        other = f8.Linear(16, 16, dtype=torch.float32)
+        for _ in range(2):
+            with f8.autocast(recipe=_recipe(21)):
+                y = other(_x(3.0 + rank).float())
+            y.sum().backward()
+    finally:
+        torch.set_default_dtype(default)
+    out = {"calibrated": calibrated, "trained": trained, "float64 default": _meta(other)}
+    del layer, other
+    _cleanup()
+    return out
+
+
 def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
 
@@ -670,6 +703,7 @@ SCENARIOS_2 = [
     scenario_registry_changes,
     scenario_backward_passes_of_one_step,
     scenario_no_grad_leftover,
+    scenario_kept_reduction_buffers,
     scenario_ddp,
     scenario_ddp_independent,
     scenario_ddp_compiled,

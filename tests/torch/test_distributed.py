@@ -247,6 +247,19 @@ def test_no_grad_staging_stays_local(two: list) -> None:
     assert b0[2]["history"][-1][INPUT] == 3.0 and b0[2]["count"][INPUT] == 2
 
 
+def test_kept_reduction_buffers_survive_inference_mode_and_default_dtype(two: list) -> None:
+    """Calibration under torch.inference_mode, then training, reduces over both ranks (the
+    reduction buffer made in inference mode is an ordinary tensor); a float64 default dtype
+    leaves the buffer float32. Rank 1's amaxes are the larger: every rank holds them."""
+    r0, r1 = scenario_result(two, "scenario_kept_reduction_buffers")
+    assert r0 == r1
+    calibrated, trained = r0["calibrated"], r0["trained"]
+    assert calibrated["count"][INPUT] == 2 and calibrated["history"][-1][INPUT] == 2.0
+    assert trained["forward"]["count"][INPUT] == 4
+    assert trained["forward"]["history"][-1][INPUT] == 3.0
+    assert r0["float64 default"]["forward"]["history"][-1][INPUT] == 4.0
+
+
 def _close(a: list, b: list, rtol: float) -> None:
     for x, y in zip(a, b, strict=True):
         x, y = torch.tensor(x), torch.tensor(y)

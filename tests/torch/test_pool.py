@@ -147,7 +147,8 @@ def test_cuda_masked_events_never_sync() -> None:
     """Experts chosen at random each step (a new mask pattern most steps) and an inf amax: the
     steady steps make no host synchronisation (masks go through pinned memory; the non-finite
     watch copies its counts asynchronously into one pinned buffer every GPU_CHECK_INTERVAL
-    events), and the warning still comes within about two intervals of forward events."""
+    events, a buffer first made in a calibration pass under inference_mode here), and the
+    warning still comes within about two intervals of forward events."""
     torch.manual_seed(0)
     experts = [f8.Linear(64, 64, device="cuda") for _ in range(6)]
     recipe = DelayedScaling(amax_history_len=4)
@@ -163,6 +164,12 @@ def test_cuda_masked_events_never_sync() -> None:
 
     step(0, list(range(6)))  # every expert registers, binds the recipe, compiles its kernels
     step(1, [0, 1])
+    # calibration under inference_mode: the watch's first look (its pinned buffer) falls here
+    with torch.inference_mode():
+        for _ in range(GPU_CHECK_INTERVAL):
+            with f8.autocast(enabled=False, calibrating=True, recipe=recipe):
+                for expert in experts:
+                    expert(torch.randn(32, 64, device="cuda"))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -135,6 +135,7 @@ class NonfiniteWatch:
 
     def __init__(self) -> None:
         self._host: torch.Tensor | None = None  # the counts' copy in flight, None when none is
+        self._copied: torch.Tensor | None = None  # the count tensor that copy was taken from
         self._pinned: torch.Tensor | None = None  # CUDA: the pinned buffer the copies land in
         self._ready: Any = None  # CUDA event recorded after the copy (reused)
         self._seen = np.zeros(0, dtype=np.int64)  # counts already reported, per pool column
@@ -157,7 +158,7 @@ class NonfiniteWatch:
         """
         counts = pool.nonfinite_count
         if counts is not self._tracked:
-            self._tracked, self._host = counts, None
+            self._tracked = counts  # a copy in flight from the old tensor is read, not reported
             self._seen = np.zeros(counts.shape, dtype=np.int64)
         if counts.device.type == "cpu":
             self._report(counts.numpy(), members, direction, recipe)
@@ -169,16 +170,18 @@ class NonfiniteWatch:
             return
         self._events_since_check = 0
         if self._host is not None and self._ready.query():
-            if self._host.shape == counts.shape:
+            if self._copied is counts:
                 self._report(self._host.numpy(), members, direction, recipe)
-            self._host = None
+            self._host = self._copied = None
         if self._host is None:
             # One pinned buffer and one event, reused: the copy is asynchronous on the counts'
-            # device's current stream, and the next copy waits until this one has been read.
+            # device's current stream, and no copy starts before the last one has arrived. An
+            # ordinary tensor even under torch.inference_mode (a calibration pass's event).
             if self._pinned is None or self._pinned.shape != counts.shape:
-                self._pinned = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+                with torch.inference_mode(False):
+                    self._pinned = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
                 self._ready = torch.cuda.Event()
-            self._host = self._pinned
+            self._host, self._copied = self._pinned, counts
             self._host.copy_(counts, non_blocking=True)
             self._ready.record(torch.cuda.current_stream(counts.device))
 

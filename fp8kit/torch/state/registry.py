@@ -312,7 +312,7 @@ class StateRegistry:
         trailer = self._trailer(layout, staging is None, device)
         buffer, row, reduced_trailer = self._buffer(layout, device)
         if staging is None:
-            staging = torch.zeros(layout.num_slots, device=device)
+            staging = torch.zeros(layout.num_slots, dtype=torch.float32, device=device)
         torch.cat([staging, trailer], out=buffer)
         distributed.all_reduce_max(buffer, self.group, self.direction)
         flag, high, neg_low = reduced_trailer.tolist()  # the event's one host read
@@ -325,11 +325,15 @@ class StateRegistry:
         self, layout: Layout, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The reduction buffer of ``layout`` on ``device`` (float32, staging row, padding and
-        trailer), its staging-row view and its trailer view; made once per verified layout."""
+        trailer), its staging-row view and its trailer view; made once per verified layout.
+
+        An ordinary tensor even when the event runs under ``torch.inference_mode`` (a
+        calibration pass): later training events write into it."""
         entry = self._buffers.get(device)
         size = layout.num_slots + layout.padding + _TRAILER
         if entry is None or entry[0].numel() != size:
-            buffer = torch.empty(size, device=device)
+            with torch.inference_mode(False):
+                buffer = torch.empty(size, dtype=torch.float32, device=device)
             entry = (buffer, buffer[: layout.num_slots], buffer[-_TRAILER:])
             self._buffers[device] = entry
         return entry
@@ -344,7 +348,8 @@ class StateRegistry:
         if trailer is None:
             fp = float(layout.fingerprint)
             values = [0.0] * layout.padding + [1.0 if changed else 0.0, fp, -fp]
-            trailer = self._trailers[changed, device] = torch.tensor(values, device=device)
+            trailer = torch.tensor(values, dtype=torch.float32, device=device)
+            self._trailers[changed, device] = trailer
         return trailer
 
     def run_event(
