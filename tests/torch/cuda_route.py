@@ -2,8 +2,8 @@
 ``FP8KIT_CPU_GEMM=scaled_mm``.
 
 On a CUDA machine the torch frontend's hot path differs from the CPU one in its kernel route:
-every cast goes through the checked :func:`fp8kit.torch.kernels.cast_fp8` to the Triton kernels
-(no prepared native call), the update events run the Triton update kernel, the GEMMs are
+every cast is the bound Triton cast of :func:`fp8kit.torch.kernels.prepare_cast` (no native
+call), the update events run the Triton update kernel, the GEMMs are
 ``torch._scaled_mm`` and the FP8 output / gradient dequantize in torch ops. :func:`main` trains
 the same models once on the CPU route and once with CPU tensors sent down that route (the
 Triton kernels under the interpreter, ``_scaled_mm``'s CPU implementation), and saves what each

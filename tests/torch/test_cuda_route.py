@@ -2,7 +2,7 @@
 
 CI has no GPU, and the Triton kernels are checked one by one elsewhere (test_kernels.py,
 test_update_kernel.py). This checks the path around them as a GPU runs it: the modules' casts
-through the checked kernel API instead of the prepared native call, the pooled update events on
+through the bound Triton cast instead of the prepared native call, the pooled update events on
 the Triton update kernel, ``torch._scaled_mm`` GEMMs and torch dequantization. Training runs
 (tests/torch/cuda_route.py) on both routes must agree bit for bit: outputs, every FP8 state
 buffer, parameter gradients.

@@ -10,7 +10,7 @@ import torch
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling
-from fp8kit.torch.state import NonfiniteAmaxWarning
+from fp8kit.torch.state import NonfiniteAmaxWarning, apply
 
 INPUT = 0
 
@@ -93,3 +93,75 @@ def test_inspector_reports_nonfinite_events() -> None:
     steps, counts = insp.series("0.INPUT", "nonfinite_events")
     assert (steps, counts) == ([0, 1, 2], [0, 1, 1])
     assert insp.series("0.WEIGHT", "nonfinite_events")[1] == [0, 0, 0]
+
+
+class _CountsOnCuda(torch.Tensor):
+    """A CPU count tensor that says it is on CUDA (NonfiniteWatch's CUDA branch on the CPU)."""
+
+    @property
+    def device(self):  # type: ignore[no-untyped-def, override]
+        return torch.device("cuda", 0)
+
+
+class _Copy:
+    """torch.cuda.Event stand-in: a copy recorded at event k has arrived ``lag`` events later."""
+
+    now = 0
+    lag = 0
+
+    def record(self, stream: object = None) -> None:
+        self.at = _Copy.now
+
+    def query(self) -> bool:
+        return _Copy.now >= self.at + _Copy.lag
+
+
+class _Pool:
+    """What NonfiniteWatch reads of a pool; :meth:`rebuild` gives it a new count tensor whose
+    columns hold the members' counts, as ``StatePool.sync`` does."""
+
+    def __init__(self, states: list[f8.ScalingState]) -> None:
+        self.states = states
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        counts = torch.cat([s.nonfinite_count for s in self.states])
+        offset = 0
+        for state in self.states:
+            state.nonfinite_count = counts[offset : offset + state.num_slots]
+            offset += state.num_slots
+        self.nonfinite_count = torch.Tensor._make_subclass(_CountsOnCuda, counts)
+
+
+@pytest.mark.parametrize(("rebuild_every", "lag"), [(None, 0), (None, 5), (3, 0), (5, 2), (8, 0)])
+def test_the_cuda_watch_warns_within_its_intervals(
+    monkeypatch: pytest.MonkeyPatch, rebuild_every: int | None, lag: int
+) -> None:
+    """The CUDA branch looks every GPU_CHECK_INTERVAL events and reads an asynchronous copy; an
+    inf counted at event 3 must be warned about (once, naming the state) within two intervals
+    plus the copy's lag, also when the pool is rebuilt between the copy and its read."""
+    monkeypatch.setattr(torch.cuda, "Event", _Copy)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+    _Copy.lag = lag
+    states = [f8.ScalingState(3, history_len=4) for _ in range(3)]
+    for i, state in enumerate(states):
+        state.label = f"module {i}"
+    pool, watch = _Pool(states), apply.NonfiniteWatch()
+    recipe = DelayedScaling(amax_history_len=4)
+    warned_at = []
+    for event in range(1, 6 * apply.GPU_CHECK_INTERVAL):
+        _Copy.now = event
+        if rebuild_every and event % rebuild_every == 0:
+            pool.rebuild()
+        if event == 3:
+            states[1].nonfinite_count[2] += 1  # the update kernel counted an inf in slot 2
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            watch.check(pool, lambda: pool.states, "forward", recipe)  # type: ignore[arg-type]
+        warned_at += [(event, str(w.message)) for w in caught]
+    assert len(warned_at) == 1, warned_at
+    event, message = warned_at[0]
+    assert "module 1" in message and "GRAD_INPUT" not in message
+    assert event - 3 <= 2 * apply.GPU_CHECK_INTERVAL + lag

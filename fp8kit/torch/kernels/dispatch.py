@@ -308,11 +308,14 @@ def prepare_cast(
 class _PreparedTritonCast:
     """:func:`prepare_cast`'s function on CUDA: the Triton cast with the slot's tensors and
     format bound, so a call checks only what depends on ``x`` (its dtype, device, size and
-    rank) before the launch. An ``x`` it cannot take goes to ``fallback`` (:func:`cast_fp8`,
+    rank) before the launch. An ``x`` it cannot take, or a call inside a ``torch.compile``
+    trace, goes to ``fallback`` (:func:`cast_fp8`,
     whose checks raise the clear errors); a failing launch switches the process to the torch
     kernels, as :func:`cast_fp8` does (:func:`_triton_failed`)."""
 
-    __slots__ = ("_amax_out", "_backend", "_count", "_device", "_fallback", "_scale", "_specs")
+    __slots__ = (
+        "_amax_out", "_backend", "_count", "_cuda", "_device", "_fallback", "_scale", "_specs"
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -325,7 +328,7 @@ class _PreparedTritonCast:
     ) -> None:
         self._backend = backend
         self._scale, self._amax_out, self._count = scale, amax_out, first_step_count
-        self._device = scale.get_device()
+        self._cuda, self._device = scale.is_cuda, scale.get_device()
         self._specs = {dt: cast_spec(fp8_dtype, torch.empty(0, dtype=dt)) for dt in INPUT_DTYPES}
         self._fallback = fallback
 
@@ -334,7 +337,9 @@ class _PreparedTritonCast:
         if (
             spec is None
             or _triton_state["backend"] is not self._backend  # a kernel failed since
+            or x.is_cuda is not self._cuda
             or x.get_device() != self._device
+            or torch.compiler.is_compiling()  # a trace takes cast_fp8's reference
             or not x.numel()
             or ((transpose or dbias) and x.dim() != 2)
         ):

@@ -124,7 +124,8 @@ class PreparedCast:
     """:func:`cast` for one fixed ``(scale, fp8 dtype, amax_out, first_step_count)``: their
     addresses and the format's constants are bound, converted to ctypes values once, so a call
     resolves only ``x``. An ``x`` the bound call cannot take (not a CPU float32 / bfloat16 /
-    float16 tensor, empty, or not 2-D with ``transpose`` / ``dbias``) goes to ``fallback``, the
+    float16 tensor, empty, or not 2-D with ``transpose`` / ``dbias``), or a call inside a
+    ``torch.compile`` trace, goes to ``fallback``, the
     checked API with the same arguments. Holds the bound tensors, so their storage outlives
     it."""
 
@@ -154,7 +155,13 @@ class PreparedCast:
 
     def __call__(self, x: torch.Tensor, transpose: bool, dbias: bool) -> CastResult:
         rule = self._rules.get(x.dtype)
-        if rule is None or not x.is_cpu or not x.numel() or ((transpose or dbias) and x.dim() != 2):
+        if (
+            rule is None
+            or not x.is_cpu
+            or not x.numel()
+            or ((transpose or dbias) and x.dim() != 2)
+            or torch.compiler.is_compiling()  # a trace takes cast_fp8's reference
+        ):
             return self._fallback(x, transpose, dbias)
         return _launch(self._lib, x, rule[0], rule[1], self._amax_ptr, transpose, dbias)
 

@@ -128,14 +128,19 @@ class NonfiniteWatch:
     On the CPU the counts are read in place after each event. On CUDA every
     :data:`GPU_CHECK_INTERVAL`-th event copies the pool's ``nonfinite_count`` to the host
     asynchronously (one pinned buffer and one event, reused), and a later check reads that copy
-    once it has arrived. So on CUDA the warning comes up to about two intervals of events late,
-    never waits for the GPU, and costs the other events one integer test: the counts themselves
-    are exact on the device at every event (docs/performance.md, "No host synchronisation").
+    once it has arrived (a copy taken before the pool was rebuilt is read against the columns it
+    was taken from). So on CUDA the warning usually comes within about two intervals of events,
+    later when the GPU runs more than an interval behind the host; it never waits for the GPU,
+    and the other events cost a few attribute tests. The counts themselves are exact on the
+    device at every event (docs/performance.md, "No host synchronisation").
     """
 
     def __init__(self) -> None:
         self._host: torch.Tensor | None = None  # the counts' copy in flight, None when none is
         self._copied: torch.Tensor | None = None  # the count tensor that copy was taken from
+        # that tensor's states in column order (weak) with their slot counts: a copy read after
+        # the pool was rebuilt is reported against them
+        self._copied_members: list[tuple[weakref.ref[ScalingState], int]] = []
         self._pinned: torch.Tensor | None = None  # CUDA: the pinned buffer the copies land in
         self._ready: Any = None  # CUDA event recorded after the copy (reused)
         self._seen = np.zeros(0, dtype=np.int64)  # counts already reported, per pool column
@@ -158,10 +163,12 @@ class NonfiniteWatch:
         """
         counts = pool.nonfinite_count
         if counts is not self._tracked:
-            self._tracked = counts  # a copy in flight from the old tensor is read, not reported
+            self._tracked = counts
             self._seen = np.zeros(counts.shape, dtype=np.int64)
         if counts.device.type == "cpu":
-            self._report(counts.numpy(), members, direction, recipe)
+            values = counts.numpy()
+            if self._report(values, self._seen, _with_slots(members), direction, recipe):
+                self._seen = values.copy()
             return
         if counts.device.type != "cuda":
             return
@@ -170,8 +177,13 @@ class NonfiniteWatch:
             return
         self._events_since_check = 0
         if self._host is not None and self._ready.query():
+            values = self._host.numpy()
+            copied = [(ref(), n) for ref, n in self._copied_members]
             if self._copied is counts:
-                self._report(self._host.numpy(), members, direction, recipe)
+                if self._report(values, self._seen, lambda: copied, direction, recipe):
+                    self._seen = values.copy()
+            else:  # taken before the pool was rebuilt: against its own columns, all unseen
+                self._report(values, np.zeros_like(values), lambda: copied, direction, recipe)
             self._host = self._copied = None
         if self._host is None:
             # One pinned buffer and one event, reused: the copy is asynchronous on the counts'
@@ -182,29 +194,32 @@ class NonfiniteWatch:
                     self._pinned = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
                 self._ready = torch.cuda.Event()
             self._host, self._copied = self._pinned, counts
+            self._copied_members = [(weakref.ref(m), m.num_slots) for m in members()]
             self._host.copy_(counts, non_blocking=True)
             self._ready.record(torch.cuda.current_stream(counts.device))
 
+    @staticmethod
     def _report(
-        self,
         values: np.ndarray,
-        members: Callable[[], Sequence[ScalingState]],
+        seen: np.ndarray,
+        members: Callable[[], Sequence[tuple[ScalingState | None, int]]],
         direction: str,
         recipe: DelayedScaling,
-    ) -> None:
-        seen = self._seen
+    ) -> bool:
+        """Warn for each state (``members()``: states in column order, None for a dead one, with
+        their slot counts) whose counts in ``values`` grew past ``seen``; whether any grew."""
         if seen.shape != values.shape:
-            seen = self._seen = np.zeros_like(values)
+            seen = np.zeros_like(values)
         if not (values > seen).any():
-            return
+            return False
         names = FwdSlot if direction == "forward" else BwdSlot
         offset = 0
-        for state in members():
+        for state, num_slots in members():
             grew = np.nonzero(
-                values[offset : offset + state.num_slots] > seen[offset : offset + state.num_slots]
+                values[offset : offset + num_slots] > seen[offset : offset + num_slots]
             )[0]
-            offset += state.num_slots
-            if grew.size and state not in _warned:
+            offset += num_slots
+            if state is not None and grew.size and state not in _warned:
                 _warned.add(state)
                 slots = ", ".join(names(int(i) % len(names)).name for i in grew)
                 warnings.warn(
@@ -218,7 +233,13 @@ class NonfiniteWatch:
                     NonfiniteAmaxWarning,
                     stacklevel=2,
                 )
-        self._seen = values.copy()
+        return True
+
+
+def _with_slots(
+    members: Callable[[], Sequence[ScalingState]],
+) -> Callable[[], list[tuple[ScalingState | None, int]]]:
+    return lambda: [(state, state.num_slots) for state in members()]
 
 
 class NonfiniteAmaxWarning(UserWarning):
