@@ -159,7 +159,8 @@ class NonfiniteWatch:
     ) -> None:
         """Look at ``pool``'s counts after an event (see the class doc).
 
-        ``members()`` lists the pool's states in column order (called only to name a state).
+        ``members()`` lists the pool's states in column order (called to name a state, and on
+        CUDA at each copy, which keeps them with the copy).
         """
         counts = pool.nonfinite_count
         if counts is not self._tracked:
