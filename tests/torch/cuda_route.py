@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from fp8kit.torch.kernels import dispatch, triton_cast, triton_update
-from tests.torch.test_hot_path import NO_KERNEL_OPS
+from tests.torch.test_hot_path import _KernelCounter, _Paused
 
 STEPS = 3
 
@@ -98,28 +96,11 @@ _TRITON_KERNELS = (
 )
 
 
-class _Launches(TorchDispatchMode):
-    """What a GPU would launch while active: Triton kernels by name and the aten ops that run a
-    kernel (views and allocations excluded; the interpreter's own ops inside a Triton launch
-    are not counted)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-        self.inside_triton = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        name = str(func)
-        if not self.inside_triton and name not in NO_KERNEL_OPS:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
 class _CountedKernel:
-    """A Triton kernel whose launches ``kernel[grid](...)`` are counted by the active
-    :class:`_Launches`."""
+    """A Triton kernel whose launches ``kernel[grid](...)`` the active counter counts by name;
+    the aten ops the interpreter runs inside a launch are not counted (a GPU runs none)."""
 
-    active: _Launches | None = None
+    active: _KernelCounter | None = None
 
     def __init__(self, name: str, kernel: Any) -> None:
         self.name, self.kernel = name, kernel
@@ -132,11 +113,8 @@ class _CountedKernel:
             if counter is None:
                 return launch(*args, **kwargs)
             counter.ops[f"triton.{self.name}"] += 1
-            counter.inside_triton = True
-            try:
+            with _Paused([counter]):
                 return launch(*args, **kwargs)
-            finally:
-                counter.inside_triton = False
 
         return counted
 
@@ -155,7 +133,7 @@ def launches_per_step(dtype: torch.dtype, recipe: Recipe) -> dict[str, int]:
     layer = f8.Linear(64, 64, params_dtype=dtype)
     x = torch.randn(32, 64, dtype=dtype, requires_grad=True)
     dy = torch.randn(32, 64, dtype=dtype)
-    counter = _Launches()
+    counter = _KernelCounter()
     for step in range(3):
         x.grad = None
         layer.zero_grad(set_to_none=True)
