@@ -65,7 +65,9 @@ def cast_to_fp8_reference(
         ``(data, amax)``: FP8 tensor of ``x.shape`` (laid out like ``torch.empty_like(x)``) and a
         float32 0-d tensor.
     """
-    scaled = x.to(torch.float32) * scale.reshape(())
+    wide = x.to(torch.float32)
+    # a NaN keeps its input's sign: a GPU multiply returns the canonical (positive) NaN
+    scaled = torch.where(wide.isnan(), wide, wide * scale.reshape(()))
     scaled.clamp_(-fmt.max, fmt.max)  # saturate; +-inf -> +-fmax; NaN stays NaN
     return scaled.to(_FP8_DTYPES[fmt.name]), nan_ignoring_amax(x)
 

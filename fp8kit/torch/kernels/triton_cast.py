@@ -124,6 +124,22 @@ if triton is not None:
             return raw.to(tl.float32)
 
     @triton.jit
+    def _quantize(raw, x, scale, FMT: tl.constexpr, IN: tl.constexpr):
+        """FP8 codes of ``x * scale`` (``x``: ``raw`` widened), a NaN keeping the sign of its
+        input: a GPU multiply returns the canonical NaN (sign bit clear), the CPU's keeps the
+        operand's, so the sign is read from the input's own bits (docs/semantics.md section 2)."""
+        code = _encode(x * scale, FMT)
+        if IN == 0:
+            b = raw.to(tl.uint32, bitcast=True)
+            nan = (b & 0x7FFFFFFF) > 0x7F800000
+            sign = (b >> 24) & 0x80
+        else:  # bfloat16 (as int16 bits) or float16: 16-bit codes
+            h = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
+            nan = (h & 0x7FFF) > (0x7F80 if IN == 1 else 0x7C00)
+            sign = (h >> 8) & 0x80
+        return tl.where(nan, (sign | 0x7F).to(tl.uint8), code)
+
+    @triton.jit
     def _abs_no_nan(x):
         """|x| with NaN replaced by 0 (NaN never enters an amax)."""
         ax = tl.abs(x)
@@ -229,17 +245,19 @@ if triton is not None:
         step = tl.num_programs(0).to(tl.int64) * BLOCK
         for start in range(first, n_main, step):  # whole blocks: no masks, 16-byte accesses
             offs = start + tl.arange(0, BLOCK)
-            x = _widen(tl.load(src + offs), IN)
+            raw = tl.load(src + offs)
+            x = _widen(raw, IN)
             if MODE != 1:
                 acc = tl.maximum(acc, _abs_no_nan(x))
-            tl.store(dst + offs, _encode(x * scale, FMT))
+            tl.store(dst + offs, _quantize(raw, x, scale, FMT, IN))
         if tl.program_id(0) == tl.num_programs(0) - 1:  # the tail (maybe empty)
             offs = n_main + tl.arange(0, BLOCK)
             mask = offs < n
-            x = _widen(tl.load(src + offs, mask=mask, other=0), IN)
+            raw = tl.load(src + offs, mask=mask, other=0)
+            x = _widen(raw, IN)
             if MODE != 1:
                 acc = tl.maximum(acc, _abs_no_nan(x))
-            tl.store(dst + offs, _encode(x * scale, FMT), mask=mask)
+            tl.store(dst + offs, _quantize(raw, x, scale, FMT, IN), mask=mask)
         _finish(tl.max(acc, axis=0), amax_all, scale, amax_ptr, scale_inv_ptr, MODE)
 
     @triton.jit
@@ -285,15 +303,16 @@ if triton is not None:
             rows = tile * BM + tl.arange(0, BM)
             offs = rows.to(tl.int64)[:, None] * n + cols[None, :]
             if EVEN:  # M % BM == 0 and N % BN == 0: every tile is whole
-                x = _widen(tl.load(src + offs), IN)
+                raw = tl.load(src + offs)
             else:
                 mask = (rows[:, None] < m) & (cols[None, :] < n)
-                x = _widen(tl.load(src + offs, mask=mask, other=0), IN)
+                raw = tl.load(src + offs, mask=mask, other=0)
+            x = _widen(raw, IN)
             if MODE != 1:
                 acc = tl.maximum(acc, _abs_no_nan(x))
             if DBIAS:
                 col_acc += x
-            code = _encode(x * scale, FMT)
+            code = _quantize(raw, x, scale, FMT, IN)
             if EVEN:
                 tl.store(dst + offs, code)
             else:
