@@ -292,14 +292,12 @@ def main(out_json_path: str | None = None, warmup: int = 3, repeats: int = 20) -
             "platform_version": str(getattr(device.client, "platform_version", "")),
             "warmup": warmup,
             "repeats": repeats,
-            "cases": [
-                run_case("mlp", MlpShape(), warmup, repeats),
-                run_case("transformer", TransformerShape(), warmup, repeats),
-            ],
+            "cases": [],
         }
         print(f"JAX {jax.__version__}, Flax {flax.__version__} on {device.device_kind}")
-        for case in result["cases"]:
-            print("\n" + _table(case))
+        for name, shape in (("mlp", MlpShape()), ("transformer", TransformerShape())):
+            result["cases"].append(run_case(name, shape, warmup, repeats))
+            print("\n" + _table(result["cases"][-1]), flush=True)  # a time limit keeps these
     if out_json_path is not None:
         with open(out_json_path, "w") as f:
             json.dump(result, f, indent=1)

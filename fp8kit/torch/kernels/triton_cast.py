@@ -43,6 +43,7 @@ import torch
 
 from fp8kit.formats import FP8Format
 from fp8kit.torch.kernels._common import CastResult, CastSpec, cast_spec, dense, empty
+from fp8kit.torch.kernels.triton_launch import launch
 
 try:  # optional dependency
     import triton
@@ -431,15 +432,19 @@ def _amax_partials(
     programs = max(1, min(_cdiv(n, _BLOCK_AMAX), 4 * sms))
     partials = torch.empty((programs,), dtype=_F32, device=x.device)
     first_step = count is not None
-    _amax_kernel[(programs,)](
-        x,
-        count if first_step else partials,
-        partials,
-        n,
-        spec.in_id,
-        first_step,
-        False,
-        _BLOCK_AMAX,
+    launch(
+        _amax_kernel,
+        (programs,),
+        (
+            x,
+            count if first_step else partials,
+            partials,
+            n,
+            spec.in_id,
+            first_step,
+            False,
+            _BLOCK_AMAX,
+        ),
         num_warps=8,
         enable_fp_fusion=False,
     )
@@ -479,22 +484,26 @@ def _launch(
     if not (transpose or dbias):
         n = x.numel()
         programs = max(1, min(_cdiv(n, _BLOCK_1D), 4 * sms))
-        _cast_1d_kernel[(programs,)](
-            x,
-            scale_arg,
-            count_arg,
-            partial_arg,
-            data,
-            amax_t,
-            scale_inv,
-            n,
-            n_partials,
-            spec.fmt_id,
-            spec.in_id,
-            mode,
-            power_2_scale,
-            _BLOCK_1D,
-            p_block,
+        launch(
+            _cast_1d_kernel,
+            (programs,),
+            (
+                x,
+                scale_arg,
+                count_arg,
+                partial_arg,
+                data,
+                amax_t,
+                scale_inv,
+                n,
+                n_partials,
+                spec.fmt_id,
+                spec.in_id,
+                mode,
+                power_2_scale,
+                _BLOCK_1D,
+                p_block,
+            ),
             num_warps=8,
             enable_fp_fusion=False,
         )
@@ -507,44 +516,52 @@ def _launch(
     groups = _cdiv(row_tiles, tiles_per_program)
     data_t = torch.empty(n, m, dtype=spec.fp8_dtype, device=device) if transpose else None
     partial_sums = torch.empty(groups, n, dtype=_F32, device=device) if dbias else None
-    _cast_2d_kernel[(col_blocks, groups)](
-        x,
-        scale_arg,
-        count_arg,
-        partial_arg,
-        data,
-        data_t if data_t is not None else data,
-        amax_t,
-        scale_inv,
-        partial_sums if partial_sums is not None else scale_inv,
-        m,
-        n,
-        tiles_per_program,
-        n_partials,
-        spec.fmt_id,
-        spec.in_id,
-        mode,
-        power_2_scale,
-        transpose,
-        dbias,
-        m % _TILE == 0 and n % _TILE == 0,
-        _TILE,
-        _TILE,
-        p_block,
+    launch(
+        _cast_2d_kernel,
+        (col_blocks, groups),
+        (
+            x,
+            scale_arg,
+            count_arg,
+            partial_arg,
+            data,
+            data_t if data_t is not None else data,
+            amax_t,
+            scale_inv,
+            partial_sums if partial_sums is not None else scale_inv,
+            m,
+            n,
+            tiles_per_program,
+            n_partials,
+            spec.fmt_id,
+            spec.in_id,
+            mode,
+            power_2_scale,
+            transpose,
+            dbias,
+            m % _TILE == 0 and n % _TILE == 0,
+            _TILE,
+            _TILE,
+            p_block,
+        ),
         num_warps=8 if spec.in_id == 0 else 4,
         enable_fp_fusion=False,
     )
     bias = None
     if partial_sums is not None:
         bias = torch.empty(n, dtype=x.dtype, device=device)
-        _dbias_kernel[(_cdiv(n, _DBIAS_COLS),)](
-            partial_sums,
-            bias,
-            groups,
-            n,
-            spec.in_id,
-            _DBIAS_ROWS,
-            _DBIAS_COLS,
+        launch(
+            _dbias_kernel,
+            (_cdiv(n, _DBIAS_COLS),),
+            (
+                partial_sums,
+                bias,
+                groups,
+                n,
+                spec.in_id,
+                _DBIAS_ROWS,
+                _DBIAS_COLS,
+            ),
             num_warps=4,
             enable_fp_fusion=False,
         )
@@ -581,15 +598,19 @@ def amax(x: torch.Tensor, amax_out: torch.Tensor | None) -> torch.Tensor | None:
     target = amax_out if out is None else out
     n = x.numel()
     programs = max(1, min(_cdiv(n, _BLOCK_AMAX), 4 * _sms(x)))
-    _amax_kernel[(programs,)](
-        x,
-        target,
-        target,
-        n,
-        _IN_IDS[x.dtype],
-        False,
-        True,
-        _BLOCK_AMAX,
+    launch(
+        _amax_kernel,
+        (programs,),
+        (
+            x,
+            target,
+            target,
+            n,
+            _IN_IDS[x.dtype],
+            False,
+            True,
+            _BLOCK_AMAX,
+        ),
         num_warps=8,
         enable_fp_fusion=False,
     )

@@ -20,6 +20,7 @@ import torch
 
 from fp8kit.torch.kernels._common import UpdateConfig
 from fp8kit.torch.kernels.triton_cast import scale_from_amax, triton
+from fp8kit.torch.kernels.triton_launch import launch
 
 if triton is not None:
     import triton.language as tl
@@ -108,28 +109,32 @@ def delayed_update(
     if n == 0:
         return
     rows = min(_MAX_ROWS, 1 << max(0, (length - 2).bit_length()))  # >= L - 1, a power of 2
-    _delayed_update_kernel[(-(-n // _COLS),)](
-        history,
-        scale,
-        scale_inv,
-        count,
-        ran if ran is not None else history,
-        staging if staging is not None else history,
-        nonfinite_count if nonfinite_count is not None else count,
-        length,
-        n,
-        config.interval,
-        config.numerator,
-        config.fmax_exp,
-        config.fmax_mant,
-        config.margin_int,
-        config.algo_id,
-        config.power_2_scale,
-        ran is not None,
-        staging is not None,
-        nonfinite_count is not None,
-        _COLS,
-        rows,
+    launch(
+        _delayed_update_kernel,
+        (-(-n // _COLS),),
+        (
+            history,
+            scale,
+            scale_inv,
+            count,
+            ran if ran is not None else history,
+            staging if staging is not None else history,
+            nonfinite_count if nonfinite_count is not None else count,
+            length,
+            n,
+            config.interval,
+            config.numerator,
+            config.fmax_exp,
+            config.fmax_mant,
+            config.margin_int,
+            config.algo_id,
+            config.power_2_scale,
+            ran is not None,
+            staging is not None,
+            nonfinite_count is not None,
+            _COLS,
+            rows,
+        ),
         num_warps=4 if rows * _COLS <= 1024 else 8,
         enable_fp_fusion=False,
     )

@@ -1,0 +1,138 @@
+"""The kept Triton launchers (fp8kit.torch.kernels.triton_launch): which launches reuse one, with
+stand-in kernels on the CPU; on a GPU, repeated casts through the kept launcher against the
+reference, bit for bit."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from fp8kit.formats import E4M3
+from fp8kit.torch.kernels import cast_fp8, triton_launch
+from fp8kit.torch.kernels.reference import cast_to_fp8_reference
+
+
+class _Compiled:
+    """Stands in for Triton's CompiledKernel: ``[grid]`` gives a launcher that records calls."""
+
+    def __init__(self, calls: list[tuple]) -> None:
+        self.calls = calls
+
+    def launch_metadata(self) -> None:  # what triton_launch tells a compiled kernel by
+        raise AssertionError("not called")
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        return lambda *args: self.calls.append(("kept", grid, args))
+
+
+class _Kernel:
+    """Stands in for a ``triton.jit`` function: ``[grid](*args, **options)`` records the call and
+    returns a compiled kernel (or None, as the interpreter does)."""
+
+    def __init__(self, compiled: bool = True) -> None:
+        self.calls: list[tuple] = []
+        self.compiled = compiled
+
+    def __getitem__(self, grid: tuple[int, ...]):
+        def run(*args: object, **options: object) -> _Compiled | None:
+            self.calls.append(("jit", grid, args, options))
+            return _Compiled(self.calls) if self.compiled else None
+
+        return run
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache() -> Iterator[None]:
+    triton_launch.clear()
+    yield
+    triton_launch.clear()
+
+
+def _kinds(kernel: _Kernel) -> list[str]:
+    return [call[0] for call in kernel.calls]
+
+
+@pytest.mark.skipif(not triton_launch.fast_launch_enabled(), reason="FP8KIT_TRITON_FAST_LAUNCH=0")
+def test_a_repeated_launch_reuses_the_compiled_kernels_launcher() -> None:
+    kernel = _Kernel()
+    x = torch.zeros(64)
+    for _ in range(3):
+        triton_launch.launch(kernel, (4,), (x, 64, True), num_warps=8)
+    assert _kinds(kernel) == ["jit", "kept", "kept"]
+    assert kernel.calls[1] == ("kept", (4,), (x, 64, True))  # every argument, in order
+    assert kernel.calls[0][3] == {"num_warps": 8}
+
+
+@pytest.mark.skipif(not triton_launch.fast_launch_enabled(), reason="FP8KIT_TRITON_FAST_LAUNCH=0")
+@pytest.mark.parametrize(
+    "change",
+    ["grid", "size", "flag", "dtype", "alignment", "options"],
+)
+def test_anything_triton_specialises_on_is_a_new_key(change: str) -> None:
+    """A launch that differs in the grid, an int's value, a flag, a tensor's dtype, its address's
+    16-byte alignment or an option goes through Triton again, never through a kept launcher."""
+    kernel = _Kernel()
+    buffer = torch.zeros(64)
+    x = buffer[:32]
+    triton_launch.launch(kernel, (4,), (x, 32, True), num_warps=8)
+    grid, args, options = (4,), [x, 32, True], {"num_warps": 8}
+    if change == "grid":
+        grid = (5,)
+    elif change == "size":
+        args[1] = 48
+    elif change == "flag":
+        args[2] = False
+    elif change == "dtype":
+        args[0] = x.double()
+    elif change == "alignment":
+        args[0] = buffer[1:33]  # 4 bytes past a 16-byte boundary
+        assert args[0].data_ptr() % 16 != 0 and x.data_ptr() % 16 == 0
+    else:
+        options = {"num_warps": 4}
+    triton_launch.launch(kernel, grid, tuple(args), **options)
+    assert _kinds(kernel) == ["jit", "jit"]
+    triton_launch.launch(kernel, grid, tuple(args), **options)  # now that key is kept too
+    assert _kinds(kernel) == ["jit", "jit", "kept"]
+
+
+def test_a_kernel_that_returns_no_compiled_kernel_stays_on_the_plain_path() -> None:
+    """The interpreter's launch returns None: every launch of that key goes through Triton."""
+    kernel = _Kernel(compiled=False)
+    x = torch.zeros(8)
+    for _ in range(3):
+        triton_launch.launch(kernel, (1,), (x, 8))
+    assert _kinds(kernel) == ["jit", "jit", "jit"]
+
+
+def test_the_cache_starts_over_when_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_launch, "MAX_ENTRIES", 3)
+    kernel = _Kernel()
+    x = torch.zeros(8)
+    for size in range(5):
+        triton_launch.launch(kernel, (1,), (x, size))
+    triton_launch.launch(kernel, (1,), (x, 0))  # dropped when the cache started over
+    triton_launch.launch(kernel, (1,), (x, 4))  # kept since
+    assert _kinds(kernel) == ["jit"] * 6 + ["kept"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_on_the_gpu_kept_launchers_cast_like_the_reference() -> None:
+    """Casts repeated with fresh inputs of one shape run through the kept launchers (at the
+    same and at other 16-byte alignments) and match the reference bit for bit."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    scale = torch.tensor(3.0, device="cuda")
+    for dtype in (torch.bfloat16, torch.float32):
+        for step in range(4):
+            base = torch.randn(130 * 96 + 1, device="cuda", generator=gen).to(dtype) * 50
+            x = base[step % 2 : step % 2 + 130 * 96].view(130, 96)  # aligned, then not
+            for transpose in (False, True):
+                r = cast_fp8(x, scale, torch.float8_e4m3fn, transpose=transpose)
+                want, amax = cast_to_fp8_reference(x.cpu(), scale.cpu(), E4M3)
+                assert torch.equal(r.data.cpu().view(torch.uint8), want.view(torch.uint8))
+                assert torch.equal(r.amax.cpu(), amax)
+                if transpose:
+                    assert torch.equal(r.data_t.cpu(), r.data.cpu().t().contiguous())
+    if triton_launch.fast_launch_enabled():
+        assert any(v is not None for v in triton_launch._launchers.values())
