@@ -121,8 +121,11 @@ def _version(package: str) -> str:
 
 
 def fp8kit_commit() -> str:
-    """The short commit of the fp8kit checkout (``-dirty`` with local changes), else the
-    ``FP8KIT_COMMIT`` environment variable (a copied tree without ``.git``), else "n/a"."""
+    """The ``FP8KIT_COMMIT`` environment variable when set (a copied tree: the lent GPU's copy
+    carried a ``.git`` from an older commit on 2026-11-28), else the short commit of the fp8kit
+    checkout (``-dirty`` with local changes), else "n/a"."""
+    if os.environ.get("FP8KIT_COMMIT"):
+        return os.environ["FP8KIT_COMMIT"]
     repo = Path(f8.__file__).resolve().parents[2]
     try:
         done = subprocess.run(

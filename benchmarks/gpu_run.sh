@@ -14,7 +14,7 @@
 # lease: everything in one call of at most ~9 minutes, for a session lent 15 minutes of device
 #    time in all (the machine's start included): the CUDA-only tests (at most 150 s), bench
 #    --quick at 0.5x budgets (at most 270 s), then bench-sub (at most 120 s); no full test run.
-# Set FP8KIT_COMMIT to the commit hash when the copied tree has no .git.
+# Set FP8KIT_COMMIT to the commit hash: a copied tree may have no .git, or an older one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-all}"

@@ -318,18 +318,21 @@ def test_floor_gemms_follow_the_scaled_mm_layout_contract() -> None:
         check_scaled_mm_dims(16, 40, 32)
 
 
-def test_fp8kit_commit_falls_back_to_the_environment(monkeypatch) -> None:
+def test_fp8kit_commit_prefers_the_environment(monkeypatch) -> None:
+    """FP8KIT_COMMIT wins over git (a copied tree's .git can be older), git wins over n/a."""
     import subprocess
 
     from benchmarks import gpu
 
+    monkeypatch.delenv("FP8KIT_COMMIT", raising=False)
     assert gpu.fp8kit_commit()  # this checkout: a hash, or n/a without git
+    monkeypatch.setenv("FP8KIT_COMMIT", "abc1234")
+    assert gpu.fp8kit_commit() == "abc1234"  # even with this checkout's .git beside it
 
     def no_git(*args, **kwargs):
         raise FileNotFoundError("git")
 
     monkeypatch.setattr(subprocess, "run", no_git)
-    monkeypatch.setenv("FP8KIT_COMMIT", "abc1234")
     assert gpu.fp8kit_commit() == "abc1234"
     monkeypatch.delenv("FP8KIT_COMMIT")
     assert gpu.fp8kit_commit() == "n/a"

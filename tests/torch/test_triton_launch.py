@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fp8kit.formats import E4M3
-from fp8kit.torch.kernels import cast_fp8, triton_launch
+from fp8kit.torch.kernels import NativeKernelWarning, cast_fp8, triton_launch
+from fp8kit.torch.kernels._native import env_flag
 from fp8kit.torch.kernels.reference import cast_to_fp8_reference
 
 
@@ -24,7 +25,11 @@ class _Compiled:
         raise AssertionError("not called")
 
     def __getitem__(self, grid: tuple[int, ...]):
-        return lambda *args: self.calls.append(("kept", grid, args))
+        def launcher(*args: object) -> None:
+            # Triton's launcher reads grid[0], grid[1] and grid[2] (triton 3.6 and 3.9)
+            self.calls.append(("kept", (grid[0], grid[1], grid[2]), args))
+
+        return launcher
 
 
 class _Kernel:
@@ -61,7 +66,7 @@ def test_a_repeated_launch_reuses_the_compiled_kernels_launcher() -> None:
     for _ in range(3):
         triton_launch.launch(kernel, (4,), (x, 64, True), num_warps=8)
     assert _kinds(kernel) == ["jit", "kept", "kept"]
-    assert kernel.calls[1] == ("kept", (4,), (x, 64, True))  # every argument, in order
+    assert kernel.calls[1] == ("kept", (4, 1, 1), (x, 64, True))  # every argument, in order
     assert kernel.calls[0][3] == {"num_warps": 8}
 
 
@@ -136,3 +141,43 @@ def test_triton_on_the_gpu_kept_launchers_cast_like_the_reference() -> None:
                     assert torch.equal(r.data_t.cpu(), r.data.cpu().t().contiguous())
     if triton_launch.fast_launch_enabled():
         assert any(v is not None for v in triton_launch._launchers.values())
+
+
+def test_a_launcher_that_raises_turns_the_cache_off_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Triton release whose launchers take other arguments: that launch and every later one go
+    through Triton's JIT (nothing is skipped), and one warning says why."""
+    monkeypatch.setattr(triton_launch, "_enabled", True)  # restored after the test
+    kernel = _Kernel()
+    monkeypatch.setattr(_Compiled, "__getitem__", lambda self, grid: _refuse)
+    x = torch.zeros(8)
+    triton_launch.launch(kernel, (1,), (x, 8))
+    with pytest.warns(NativeKernelWarning, match="launcher directly failed.*TypeError: refused"):
+        triton_launch.launch(kernel, (1,), (x, 8))
+    triton_launch.launch(kernel, (1,), (x, 8))
+    assert _kinds(kernel) == ["jit", "jit", "jit"]
+    assert not triton_launch.fast_launch_enabled()
+
+
+def _refuse(*args: object) -> None:
+    raise TypeError("refused")
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [(None, True), ("", True), ("0", False), ("Off", False), ("1", True), (" yes ", True)],
+)
+def test_the_switch_reads_on_off_words(monkeypatch: pytest.MonkeyPatch, value, want) -> None:
+    """FP8KIT_TRITON_FAST_LAUNCH (read once, at import) parses like FP8KIT_DISABLE_NATIVE."""
+    if value is None:
+        monkeypatch.delenv("FP8KIT_TRITON_FAST_LAUNCH", raising=False)
+    else:
+        monkeypatch.setenv("FP8KIT_TRITON_FAST_LAUNCH", value)
+    assert env_flag("FP8KIT_TRITON_FAST_LAUNCH", True) is want
+
+
+def test_a_bad_switch_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FP8KIT_TRITON_FAST_LAUNCH", "fast")
+    with pytest.raises(ValueError, match=r"FP8KIT_TRITON_FAST_LAUNCH must be one of .*got 'fast'"):
+        env_flag("FP8KIT_TRITON_FAST_LAUNCH", True)

@@ -79,14 +79,25 @@ _state: dict[str, object] = {"loaded": False, "lib": None, "error": None}
 _ENV_ON, _ENV_OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
-def _disabled_by_env() -> bool:
-    value = os.environ.get("FP8KIT_DISABLE_NATIVE", "").strip().lower()
+def env_flag(name: str, default: bool) -> bool:
+    """The on/off environment variable ``name`` (README, "Environment variables"): ``default``
+    when unset or empty.
+
+    Raises:
+        ValueError: a value outside ``1/true/yes/on`` and ``0/false/no/off`` (any case), naming
+            the variable and the accepted values.
+    """
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
     if value not in _ENV_ON + _ENV_OFF:
         raise ValueError(
-            f"FP8KIT_DISABLE_NATIVE must be one of {_ENV_ON} (disable the native kernels) or "
-            f"{_ENV_OFF[1:]} (or unset), got {os.environ['FP8KIT_DISABLE_NATIVE']!r}"
+            f"{name} must be one of {_ENV_ON} or {_ENV_OFF[1:]} (or unset), got {raw!r}"
         )
-    return value in _ENV_ON
+    return default if value == "" else value in _ENV_ON
+
+
+def _disabled_by_env() -> bool:
+    return env_flag("FP8KIT_DISABLE_NATIVE", False)
 
 
 def cache_dir() -> Path:

@@ -12,16 +12,20 @@ The key is finer than Triton's specialisation, so a hit never runs a kernel comp
 assumptions: the grid, the options, each tensor's dtype, device and whether its address is a
 multiple of 16, and every other argument's value (a new size is a new key). A first launch
 whose result is not a compiled kernel (the interpreter's, ``TRITON_INTERPRET=1``) keeps that key
-on the plain path. ``FP8KIT_TRITON_FAST_LAUNCH=0`` in the environment turns the cache off.
+on the plain path. A kept launcher that raises (a Triton release whose launchers take other
+arguments) turns the cache off for the process with one :class:`NativeKernelWarning`, and that
+launch goes through Triton. ``FP8KIT_TRITON_FAST_LAUNCH=0`` in the environment turns it off.
 """
 
 from __future__ import annotations
 
-import os
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
+
+from fp8kit.torch.kernels._native import NativeKernelWarning, env_flag
 
 __all__ = ["MAX_ENTRIES", "clear", "fast_launch_enabled", "launch"]
 
@@ -31,7 +35,7 @@ MAX_ENTRIES = 4096
 # key -> the compiled kernel's launcher for that grid, or None: launch this key the plain way
 _launchers: dict[Hashable, Callable[..., Any] | None] = {}
 _UNSEEN = object()
-_enabled = os.environ.get("FP8KIT_TRITON_FAST_LAUNCH", "1") != "0"
+_enabled = env_flag("FP8KIT_TRITON_FAST_LAUNCH", True)
 
 
 def fast_launch_enabled() -> bool:
@@ -69,8 +73,28 @@ def launch(kernel: Any, grid: tuple[int, ...], args: Sequence[object], **options
         compiled = kernel[grid](*args, **options)
         if len(_launchers) >= MAX_ENTRIES:
             _launchers.clear()
-        _launchers[key] = compiled[grid] if hasattr(compiled, "launch_metadata") else None
+        # the compiled kernel's launcher reads three program counts
+        full_grid = (*grid, 1, 1)[:3]
+        _launchers[key] = compiled[full_grid] if hasattr(compiled, "launch_metadata") else None
     elif launcher is None:
         kernel[grid](*args, **options)
     else:
-        launcher(*args)  # type: ignore[operator]
+        try:
+            launcher(*args)  # type: ignore[operator]
+        except Exception as exc:  # a Triton whose launcher takes other arguments: its JIT path
+            _give_up(exc)
+            kernel[grid](*args, **options)
+
+
+def _give_up(exc: Exception) -> None:
+    """Turn the cache off for this process, with one warning saying why."""
+    global _enabled
+    _enabled = False
+    _launchers.clear()
+    warnings.warn(
+        "fp8kit: calling a compiled Triton kernel's launcher directly failed, so fp8kit launches "
+        f"through Triton's JIT from now on (same kernels, more host time). Reason: "
+        f"{type(exc).__name__}: {exc}",
+        NativeKernelWarning,
+        stacklevel=3,
+    )
