@@ -51,7 +51,7 @@ def _median_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -> 
     return statistics.median(times)
 
 
-def _host_us(fn: Callable[[], object], calls: int = 300) -> float:
+def host_us(fn: Callable[[], object], calls: int = 300) -> float:
     """Wall microseconds per call, the GPU kept idle (tiny tensors), synchronised at the end."""
     for _ in range(10):
         fn()
@@ -179,7 +179,7 @@ def _host() -> dict[str, Any]:
         ),
     }
     return {
-        name: {"host us": _host_us(fn), "kernels": _kernels_per_call(fn)}
+        name: {"host us": host_us(fn), "kernels": _kernels_per_call(fn)}
         for name, fn in calls.items()
     }
 

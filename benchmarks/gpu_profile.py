@@ -4,8 +4,8 @@
 
 - ``host``: cProfile of steps of a Linear(256) training step and of the demo GPT (6 x 512), the
   functions with the most own time (the host overhead of a small step is Python and launches);
-- ``calls``: host microseconds per call of single operations the step is made of (no device
-  wait between calls; the device queue absorbs the work);
+- ``calls``: wall microseconds per call of single operations the step is made of, on tiny
+  tensors (:func:`benchmarks.gpu_kernels.host_us`: the device idles, so this is host time);
 - ``kernels``: ``torch.profiler``'s device-time table of one Linear step per shape, eager and
   compiled.
 
@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import fp8kit.torch as f8
+from benchmarks.gpu_kernels import host_us
 from benchmarks.gpu_measure import DELAYED, Step, compiled, fp8_linear_like, training_step
 from fp8kit.demo.model import GPT, GPTConfig
 from fp8kit.torch import kernels
@@ -92,19 +93,6 @@ def host_part() -> str:
     return "\n".join(parts)
 
 
-def per_call_us(call: Callable[[], object]) -> float:
-    """Host microseconds per ``call`` over :data:`CALLS` calls (after 20 warm-up calls)."""
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(CALLS):
-        call()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / CALLS * 1e6
-
-
 def calls_part() -> str:
     x = torch.randn(TINY, TINY, device="cuda", dtype=torch.bfloat16)
     a = torch.randn(TINY, TINY, device="cuda").to(torch.float8_e4m3fn)
@@ -129,7 +117,7 @@ def calls_part() -> str:
         ),
     }
     lines = ["| call | host us |", "|---|---|"]
-    lines += [f"| {name} | {per_call_us(call):.1f} |" for name, call in calls.items()]
+    lines += [f"| {name} | {host_us(call, CALLS):.1f} |" for name, call in calls.items()]
     return "\n".join(lines)
 
 

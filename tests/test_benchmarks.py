@@ -50,6 +50,27 @@ def test_bench_gpu_without_cuda_says_so_and_exits_0(tmp_path) -> None:
     assert not out.exists()
 
 
+def test_gpu_profile_checks_its_parts_then_needs_cuda(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``benchmarks.gpu_profile``: an unknown part is refused by name before anything runs;
+    without CUDA it says so and writes nothing."""
+    import torch
+
+    from benchmarks import gpu_profile
+
+    with pytest.raises(SystemExit):
+        gpu_profile.main(["--only", "host,kernel", "--out-dir", str(tmp_path)])
+    assert "--only takes a comma-separated list of ('host', 'calls', 'kernels')" in (
+        capsys.readouterr().err
+    )
+    if torch.cuda.is_available():
+        return
+    gpu_profile.main(["--out-dir", str(tmp_path / "out")])
+    assert "no CUDA device" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # bench-gpu's CPU-testable parts: benchmarks/gpu_common.py (bookkeeping) and the step builders of
 # benchmarks/gpu_measure.py that take a device.
