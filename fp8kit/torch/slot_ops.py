@@ -32,6 +32,33 @@ _OP_TAGS: dict[str, Any] = (
 )
 
 
+# A call's slot and flags travel as one int: torch's ADInplaceOrView kernel for an op with a
+# mutated argument (``custom_op``'s) re-reads the schema once per argument on every call, a cost
+# that grows with the square of the argument count (40 us at 11 arguments, 2-core AMD EPYC,
+# 2026-11-28; docs/decisions/0252-first-gpu-run.md).
+_BACKWARD, _RECORD, _TRANSPOSE, _DBIAS, _ENROL = 1, 2, 4, 8, 16
+_FLAG_BITS = 5
+
+
+def _pack_call(
+    slot: int,
+    backward: bool = False,
+    record: bool = False,
+    transpose: bool = False,
+    dbias: bool = False,
+    enrol_state: bool = False,
+) -> int:
+    """``slot << 5`` with one bit per flag (:data:`_BACKWARD` ... :data:`_ENROL`)."""
+    flags = (
+        _BACKWARD * backward
+        | _RECORD * record
+        | _TRANSPOSE * transpose
+        | _DBIAS * dbias
+        | _ENROL * enrol_state
+    )
+    return slot << _FLAG_BITS | flags
+
+
 # The ops fold into the staging entry of the *live* state (found by uid) instead of a buffer the
 # graph holds: nothing in a graph reads a staging row, the scale changes only at update events
 # (outside the graph) and a fold is a max (order-free, idempotent). So the graph guards on no FP8
@@ -47,20 +74,18 @@ def _quantize_slot_op(
     forward_uid: int,
     backward_uid: int,
     event_key: int,
-    slot: int,
-    backward: bool,
-    record: bool,
-    transpose: bool,
-    dbias: bool,
-    enrol_state: bool,
+    call: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_slot` for the module whose states have uids ``forward_uid`` /
-    ``backward_uid`` (``backward`` picks one), binding both to the recipe first if needed, then
-    enrolling the state in its next update event when ``enrol_state``. ``token``: the state's
-    ``op_token`` (its contents are never touched).
+    ``backward_uid`` (the ``_BACKWARD`` flag picks one), binding both to the recipe first if
+    needed, then enrolling the state in its next update event when ``_ENROL`` is set. ``call``:
+    :func:`_pack_call` of the slot and the flags. ``token``: the state's ``op_token`` (its
+    contents are never touched).
 
     Returns ``(data, data_t, scale_inv, dbias)``, with 0-element tensors for outputs not asked.
     """
+    slot, backward = call >> _FLAG_BITS, bool(call & _BACKWARD)
+    record, transpose, dbias = bool(call & _RECORD), bool(call & _TRANSPOSE), bool(call & _DBIAS)
     if not backward:
         check_not_checkpointed("a torch.compile'd FP8 module")
         check_not_recomputed("torch.compile")
@@ -73,7 +98,7 @@ def _quantize_slot_op(
         for uid in (backward_uid,) if backward else (forward_uid, backward_uid):
             bind_state_if_needed(state_by_uid(uid), plan.recipe)  # type: ignore[arg-type]
     q, db = quantize_slot(x, plan, state, slot, backward, record, transpose, dbias)
-    if enrol_state:
+    if call & _ENROL:
         enrol(state, event_key, backward)
     data_t = q.data_t if q.data_t is not None else x.new_empty(0, dtype=q.data.dtype)
     return q.data, data_t, q.scale_inv, db if db is not None else x.new_empty(0)
@@ -86,18 +111,13 @@ def _(
     forward_uid: int,
     backward_uid: int,
     event_key: int,
-    slot: int,
-    backward: bool,
-    record: bool,
-    transpose: bool,
-    dbias: bool,
-    enrol_state: bool,
+    call: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = plan_for(event_of(event_key)[0])
-    dtype = plan.backward_dtype if backward else plan.forward_dtype
+    dtype = plan.backward_dtype if call & _BACKWARD else plan.forward_dtype
     data = x.new_empty(x.shape, dtype=dtype)
-    data_t = x.new_empty((x.shape[1], x.shape[0]) if transpose else (0,), dtype=dtype)
-    db = x.new_empty(x.shape[1] if dbias else 0)
+    data_t = x.new_empty((x.shape[1], x.shape[0]) if call & _TRANSPOSE else (0,), dtype=dtype)
+    db = x.new_empty(x.shape[1] if call & _DBIAS else 0)
     return data, data_t, x.new_empty((), dtype=torch.float32), db
 
 
@@ -108,20 +128,20 @@ def _record_slot_op(
     forward_uid: int,
     backward_uid: int,
     event_key: int,
-    slot: int,
-    enrol_state: bool,
+    call: int,
 ) -> None:
     """:meth:`FP8Run.record_forward` in a compiled graph: bind (as :func:`_quantize_slot_op`),
-    fold ``max |x|`` (NaN ignored) into the live forward state's staging entry ``slot``, enrol
-    when ``enrol_state``. ``token``: the forward state's ``op_token``."""
+    fold ``max |x|`` (NaN ignored) into the live forward state's staging entry of the slot of
+    ``call`` (:func:`_pack_call`), enrol when its ``_ENROL`` flag is set. ``token``: the forward
+    state's ``op_token``."""
     check_not_checkpointed("a torch.compile'd FP8 module")
     check_not_recomputed("torch.compile")
     recipe = event_of(event_key)[0]
     state = state_by_uid(forward_uid)
     for uid in (forward_uid, backward_uid):
         bind_state_if_needed(state_by_uid(uid), recipe)  # type: ignore[arg-type]
-    state.record_amax(slot, nan_ignoring_amax(x))
-    if enrol_state:
+    state.record_amax(call >> _FLAG_BITS, nan_ignoring_amax(x))
+    if call & _ENROL:
         enrol(state, event_key, False)
 
 
@@ -132,8 +152,7 @@ def _(
     forward_uid: int,
     backward_uid: int,
     event_key: int,
-    slot: int,
-    enrol_state: bool,
+    call: int,
 ) -> None:
     return None
 
@@ -158,12 +177,7 @@ def quantize_traced(
         meta.forward.uid,
         meta.backward.uid,
         event_key,
-        slot,
-        backward,
-        record,
-        transpose,
-        dbias,
-        enrol_state,
+        _pack_call(slot, backward, record, transpose, dbias, enrol_state),
     )
     q = Float8Tensor(data, scale_inv, None, data_t if transpose else None)
     return q, db if dbias else None
@@ -179,6 +193,5 @@ def record_traced(
         meta.forward.uid,
         meta.backward.uid,
         event_key,
-        slot,
-        enrol_state,
+        _pack_call(slot, enrol_state=enrol_state),
     )

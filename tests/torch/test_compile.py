@@ -565,3 +565,12 @@ def test_a_compiled_function_calling_backward_compiles_no_update_event() -> None
     breaks = [reason.splitlines()[0] for reason in counters["graph_break"]]
     assert all("backward" in reason.lower() for reason in breaks), breaks
     assert counters["stats"]["unique_graphs"] <= 3, counters["stats"]
+
+
+def test_the_slot_cast_ops_take_six_arguments() -> None:
+    """Slot and flags travel packed in one int: torch re-reads a mutating custom op's schema once
+    per argument on every call (ADR 0252), so the ops keep to token, x, two uids, event key and
+    the packed call (fp8kit.torch registers both ops when it is imported)."""
+    for op in (torch.ops.fp8kit.quantize_slot.default, torch.ops.fp8kit.record_slot.default):
+        names = [a.name for a in op._schema.arguments]
+        assert names == ["token", "x", "forward_uid", "backward_uid", "event_key", "call"], names
