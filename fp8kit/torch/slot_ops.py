@@ -34,7 +34,7 @@ _OP_TAGS: dict[str, Any] = (
 
 # A call's slot and flags travel as one int: torch's ADInplaceOrView kernel for an op with a
 # mutated argument (``custom_op``'s) re-reads the schema once per argument on every call, a cost
-# that grows with the square of the argument count (40 us at 11 arguments, 2-core AMD EPYC,
+# that grows with the square of the argument count (22-40 us at 11 arguments, 2-core AMD EPYC,
 # 2026-11-28; docs/decisions/0252-first-gpu-run.md).
 _BACKWARD, _RECORD, _TRANSPOSE, _DBIAS, _ENROL = 1, 2, 4, 8, 16
 _FLAG_BITS = 5
