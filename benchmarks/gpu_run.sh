@@ -12,8 +12,9 @@
 # Logs go to $OUT (./gpu-out without it): tests.log, bench.log, gpu.txt. One device call runs at
 # most 10 minutes: run "tests", "bench" and "bench-sub" as three calls, or "all" with --quick.
 # lease: everything in one call of at most ~9 minutes, for a session lent 15 minutes of device
-#    time in all (the machine's start included): the CUDA-only tests (at most 150 s), bench
-#    --quick at 0.5x budgets (at most 270 s), then bench-sub (at most 120 s); no full test run.
+#    time in all (the machine's start included): the CUDA-only tests (at most 120 s), bench
+#    --quick at 0.45x budgets (at most 180 s), then bench-sub (at most 240 s: JAX compiles for
+#    minutes); no full test run. Times seen on an H200: docs/benchmarks.md, "How to run".
 # Set FP8KIT_COMMIT to the commit hash: a copied tree may have no .git, or an older one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,8 +62,8 @@ if [ "$mode" = all ] || [ "$mode" = bench-sub ]; then
   bench_sub 0 "$@"
 fi
 if [ "$mode" = lease ]; then
-  gpu_tests 150
-  bench 270 --quick --budget-scale 0.5 "$@"
-  bench_sub 120
+  gpu_tests 120
+  bench 180 --quick --budget-scale 0.45 "$@"
+  bench_sub 240
 fi
 exit "$status"
