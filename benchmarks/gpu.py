@@ -69,6 +69,7 @@ from benchmarks.gpu_measure import (
     cuda_time_ms,
     floor_step,
     fp8_linear_like,
+    gpt_training_step,
     graphed,
     kernels_cast_transpose,
     profile_counts,
@@ -78,7 +79,7 @@ from benchmarks.gpu_measure import (
     training_step,
     wall_us,
 )
-from fp8kit.demo.model import GPT, GPTConfig
+from fp8kit.demo.model import GPTConfig
 from fp8kit.torch import kernels
 
 NO_CUDA = "no CUDA device: bench-gpu measures GPU figures only (see docs/benchmarks.md)"
@@ -422,24 +423,7 @@ def gpt_throughput(
     """Tokens/s over ``GPT_STEPS[1]`` AdamW steps after ``GPT_STEPS[0]`` warm-up steps, and the
     peak allocated GiB of those steps (``torch.cuda.max_memory_allocated``); ``compile_model``
     runs the model through ``torch.compile`` (the FP8 modules trace into its graphs)."""
-    torch.manual_seed(0)
-    with torch.device("cuda"):  # initialised on the GPU: seconds instead of a minute on the host
-        model = GPT(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    forward = compiled(model) if compile_model else model
-    tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1), device="cuda")
-    idx, targets = tokens[:, :-1], tokens[:, 1:]
-
-    def step() -> None:
-        with (
-            torch.autocast("cuda", dtype=torch.bfloat16),
-            f8.autocast(enabled=recipe is not None, recipe=recipe),
-        ):
-            loss = forward(idx, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step, model = gpt_training_step(config, batch, recipe, compile_model)
     warmup, timed = GPT_STEPS
     for _ in range(warmup):
         step()

@@ -21,6 +21,7 @@ from torch import nn
 
 import fp8kit.torch as f8
 from benchmarks.gpu_common import count_profile_events, repeats_for
+from fp8kit.demo.model import GPT, GPTConfig
 
 DELAYED = f8.DelayedScaling()  # Transformer Engine's defaults: HYBRID, history 1024, "max"
 CURRENT = f8.Float8CurrentScaling()
@@ -132,6 +133,37 @@ def training_step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe: 
         y.backward(dy)
 
     return step
+
+
+def gpt_training_step(
+    config: GPTConfig,
+    batch: int,
+    recipe: Any,
+    compile_model: bool = False,
+    device: str = "cuda",
+) -> tuple[Step, GPT]:
+    """One AdamW step of the demo GPT on random tokens (``batch`` x ``config.block_size``),
+    ``torch.autocast`` bf16 around it and ``f8.autocast(recipe)`` unless ``recipe`` is None;
+    ``compile_model`` runs the model through :func:`compiled`. Returns ``(step, model)``."""
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised on the GPU: seconds instead of a minute on the host
+        model = GPT(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    forward = compiled(model) if compile_model else model
+    tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1), device=device)
+    idx, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step() -> None:
+        with (
+            torch.autocast(torch.device(device).type, dtype=torch.bfloat16),
+            f8.autocast(enabled=recipe is not None, recipe=recipe),
+        ):
+            loss = forward(idx, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, model
 
 
 def compiled(module: nn.Module) -> nn.Module:

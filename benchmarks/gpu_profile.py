@@ -26,15 +26,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import fp8kit.torch as f8
+from benchmarks.gpu import GPT_SIZES
 from benchmarks.gpu_kernels import host_us
-from benchmarks.gpu_measure import DELAYED, Step, compiled, fp8_linear_like, training_step
-from fp8kit.demo.model import GPT, GPTConfig
+from benchmarks.gpu_measure import (
+    DELAYED,
+    Step,
+    compiled,
+    fp8_linear_like,
+    gpt_training_step,
+    training_step,
+)
 from fp8kit.torch import kernels
 
 TINY = 256
 HOST_STEPS = 200
 CALLS = 2000
+SMALL_GPT = next(iter(GPT_SIZES))  # the size bench-gpu --quick times
 KERNEL_SHAPES = ((4096, 1024, 1024), (16384, 4096, 4096))
 PARTS = ("host", "calls", "kernels")
 
@@ -61,24 +68,6 @@ def host_profile(step: Step, steps: int, top: int = 30) -> str:
     return text.getvalue()
 
 
-def _gpt_step() -> Step:
-    torch.manual_seed(0)
-    config = GPTConfig(block_size=256, n_layer=6, n_head=8, n_embd=512)
-    with torch.device("cuda"):
-        model = GPT(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    tokens = torch.randint(0, config.vocab_size, (64, config.block_size + 1), device="cuda")
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16), f8.autocast(recipe=DELAYED):
-            loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        opt.step()
-
-    return step
-
-
 def host_part() -> str:
     base = nn.Linear(TINY, TINY, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(TINY, TINY, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -88,7 +77,8 @@ def host_part() -> str:
         + host_profile(training_step(base, x, dy, None), HOST_STEPS),
         "## fp8kit delayed Linear(256) step\n"
         + host_profile(training_step(fp8_linear_like(base), x, dy, DELAYED), HOST_STEPS),
-        "## GPT 6x512 batch 64 step, fp8kit delayed\n" + host_profile(_gpt_step(), 20),
+        f"## {SMALL_GPT} step, fp8kit delayed\n"
+        + host_profile(gpt_training_step(*GPT_SIZES[SMALL_GPT], DELAYED)[0], 20),
     ]
     return "\n".join(parts)
 

@@ -291,6 +291,27 @@ def test_training_step_clears_gradients_and_runs_fp8() -> None:
         assert rel < 0.15, f"seed {seed}: relative error {rel:.3f}"
 
 
+def test_gpt_training_step_trains_the_demo_model_in_fp8() -> None:
+    """bench-gpu's and gpu_profile's GPT step (on the CPU here): each step moves every
+    parameter, leaves no gradient behind (set to None after the optimizer) and runs fp8kit's
+    update events (the first FP8 layer's scale leaves 1 after its first events)."""
+    import torch
+
+    from benchmarks.gpu_measure import DELAYED, gpt_training_step
+    from fp8kit.demo.model import GPTConfig
+
+    config = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
+    step, model = gpt_training_step(config, 2, DELAYED, device="cpu")
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for _ in range(3):
+        step()
+    for name, p in model.named_parameters():
+        assert p.grad is None, name
+        assert not torch.equal(p, before[name]), name
+    scales = [m.fp8_meta.forward.scale for m in model.modules() if hasattr(m, "fp8_meta")]
+    assert scales and not torch.all(scales[0] == 1)
+
+
 def test_torchao_module_is_the_base_linear_converted() -> None:
     import torch
     from torch import nn
