@@ -434,6 +434,32 @@ def test_torch_fallback_against_independent_numpy_reference(
         assert amax.item() == want_amax, what
 
 
+_NAN_BITS = {  # a positive and a negative NaN with payloads, as each input dtype's raw bits
+    torch.float32: (torch.int32, [0x7FC00001, -0x003FFFFF]),
+    torch.bfloat16: (torch.int16, [0x7FC1, -0x003F]),
+    torch.float16: (torch.int16, [0x7E01, -0x01FF]),
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nan_codes_keep_the_input_sign_anywhere_in_the_tensor(
+    isas: list[int], fmt: FP8Format, dtype: torch.dtype
+) -> None:
+    """A NaN's code is ``sign | 0x7F`` from the input's own sign bit, at every position: torch's
+    float16 -> float32 conversion drops the sign after its 8-wide vector loop, so NaNs sit inside
+    and after it (11 elements; the expectation is read from the bits, not from a conversion)."""
+    int_dtype, (pos, neg) = _NAN_BITS[dtype]
+    bits = torch.tensor([neg, 1, pos, 2, 3, 4, 5, 6, 7, neg, pos], dtype=torch.int32)
+    x = bits.to(int_dtype).view(dtype)
+    is_nan = torch.tensor([True, False, True] + [False] * 6 + [True, True])
+    want_codes = torch.tensor([0xFF, 0x7F, 0xFF, 0x7F], dtype=torch.uint8)
+    got = [("reference", cast_to_fp8_reference(x, _scale(0.5), fmt)[0])]
+    got += [(ISA_NAMES[isa], kernels.native_cast(x, _scale(0.5), fmt, isa)[0]) for isa in isas]
+    for name, data in got:
+        assert torch.equal(data.view(torch.uint8)[is_nan], want_codes), (name, dtype, fmt)
+
+
 # ---------------------------------------------------------------------------------------------
 # Dispatch and errors
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ The backend functions (:func:`cast`, :func:`cast_current`, :func:`amax`,
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fp8kit.formats import FLOAT32_MAX, FP8Format, scale_numerator
@@ -66,8 +68,10 @@ def cast_to_fp8_reference(
         float32 0-d tensor.
     """
     wide = x.to(torch.float32)
-    # a NaN keeps its input's sign: a GPU multiply returns the canonical (positive) NaN
-    scaled = torch.where(wide.isnan(), wide, wide * scale.reshape(()))
+    # a NaN keeps its input's sign: a GPU multiply returns the canonical (positive) NaN, and
+    # torch's float16 -> float32 conversion returns it for the elements after its vector loop
+    nan = torch.where(x.signbit(), -math.nan, math.nan)
+    scaled = torch.where(wide.isnan(), nan, wide * scale.reshape(()))
     scaled.clamp_(-fmt.max, fmt.max)  # saturate; +-inf -> +-fmax; NaN stays NaN
     return scaled.to(_FP8_DTYPES[fmt.name]), nan_ignoring_amax(x)
 
