@@ -9,7 +9,8 @@ What it measures (``docs/decisions/0210-kernel-api-and-dispatch.md`` has the tar
   (CUDA events) of ``dst.copy_(x)`` and of each cast variant, the cast's bytes moved (input read
   once, each FP8 output written once) per second, and that rate divided by the copy's (bytes
   read + written per second): ``x copy``. Issue 9's targets on an H100 with bfloat16: cast+amax
-  >= 0.85, cast+transpose(+dbias) >= 0.75. The torch reference of the same call is timed too.
+  >= 0.85, cast+transpose(+dbias) >= 0.75. The torch reference of the same call is timed too,
+  and on sm_89+ the Triton casts again with the integer FP8 conversion ("integer cvt").
 - ``update``: one ``delayed_update_`` event on the states of 1000 Linear modules (N = 3000
   forward slots) for history lengths 16 and 1024, Triton kernel and torch reference.
 - ``host``: wall time per call on tiny tensors (the GPU is idle, so this is the Python and
@@ -29,10 +30,12 @@ import torch
 
 from benchmarks.gpu_common import device_event_kind
 from fp8kit.torch import kernels
+from fp8kit.torch.kernels import triton_cast
 
 _E4M3 = torch.float8_e4m3fn
 _N_ELEMENTS = 64 << 20
 _SIDE = 8192  # 8192 x 8192 = 64M
+_TRITON_CASTS = ("cast+amax", "cast+transpose+amax", "cast+transpose+dbias+amax")
 
 
 def _median_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -> float:
@@ -123,6 +126,18 @@ def _bandwidth(dtype: torch.dtype, repeats: int) -> dict[str, Any]:
         ms = _median_ms(fn, repeats)
         rate = nbytes / ms / 1e6
         rows[name] = {"ms": ms, "GB/s": rate, "x copy": rate / copy_rate}
+    # the same Triton casts with the integer FP8 conversion (what GPUs below sm_89 run), side
+    # by side with the hardware one (ADR 0253)
+    hardware = triton_cast.set_hardware_conversion(x.device, False)
+    try:
+        if hardware:
+            for name in _TRITON_CASTS:
+                fn, nbytes = variants[name]
+                ms = _median_ms(fn, repeats)
+                rate = nbytes / ms / 1e6
+                rows[f"{name} (integer cvt)"] = {"ms": ms, "GB/s": rate, "x copy": rate / copy_rate}
+    finally:
+        triton_cast.set_hardware_conversion(x.device, hardware)
     return {"dtype": str(dtype).removeprefix("torch."), "elements": n, "rows": rows}
 
 

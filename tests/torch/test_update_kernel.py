@@ -330,11 +330,16 @@ def test_update_triton_under_interpreter() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_triton_on_the_gpu_matches_the_model() -> None:
+@pytest.mark.parametrize("conversion", ["hardware", "software"])
+def test_triton_on_the_gpu_matches_the_model(
+    conversion: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every cast, amax (test_kernels.py) and update case through the compiled Triton kernels on
-    CUDA tensors, bit for bit against the numpy model. The interpreter tests check the kernels'
-    logic; this checks the GPU build: a failed compile or launch would fall back to the torch
-    path with one warning, and the benchmarks would time that."""
+    CUDA tensors, bit for bit against the numpy model, with the GPU's FP8 conversion (sm_89+)
+    and with the integer one. The interpreter tests check the kernels' logic; this checks the
+    GPU build: a failed compile or launch would fall back to the torch path with one warning,
+    and the benchmarks would time that."""
+    test_kernels.use_triton_conversion(conversion, monkeypatch)
     assert kernels.backend_for(torch.empty(1, device="cuda")) == "triton"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback warning fails the test

@@ -1,15 +1,23 @@
 """Triton FP8 cast kernels for CUDA tensors (the GPU twin of ``fp8_cast.cpp``).
 
 Same numerics as :func:`fp8kit.torch.kernels.reference.cast_to_fp8_reference` (docs/semantics.md
-section 2), and the same algorithm as the C++ kernel: one float32 multiply ``x * scale``, then the
-float32 -> FP8 conversion done with integer arithmetic on the float32 bits (saturation by an integer
-min, round to nearest even for normals by adding half an ulp minus one plus the lowest kept bit,
-subnormals by a float32 add of a magic power of two). The kernels never use Triton's float8
-types, so results do not depend on a GPU's conversion instructions, and Triton's interpreter
-(``TRITON_INTERPRET=1``, NumPy on the CPU) runs them unchanged: that is how the tests check them
-bit for bit on machines without a GPU. Divisions are ``tl.math.div_rn`` (IEEE round to nearest:
-Triton's ``/`` on float32 is the approximate ``div.full.f32``); kernels are compiled with
-``enable_fp_fusion=False`` so no multiply is fused into an FMA.
+section 2): one float32 multiply ``x * scale``, then the float32 -> FP8 conversion (saturating,
+round to nearest even, a NaN keeping its input's sign). Two variants of that conversion, one
+constexpr ``HW`` (ADR 0253):
+
+- sm_89 and newer GPUs: the hardware's ``cvt.rn.satfinite`` (Triton's float8 types), two values
+  per instruction. The integer variant made the kernels ALU-bound at a third of copy bandwidth on
+  an H200; the lowering test counts the main loop's SASS instructions per element.
+- everywhere else, and Triton's interpreter (``TRITON_INTERPRET=1``, NumPy on the CPU, whose own
+  float8 conversion does not round to nearest even): the C++ kernel's integer arithmetic on the
+  float32 bits (saturation by an integer min, round to nearest even for normals by adding half an
+  ulp minus one plus the lowest kept bit, subnormals by a float32 add of a magic power of two).
+  That is how the tests check the kernels bit for bit on machines without a GPU; the GPU tests
+  check both variants against the model.
+
+Divisions are ``tl.math.div_rn`` (IEEE round to nearest: Triton's ``/`` on float32 is the
+approximate ``div.full.f32``); kernels are compiled with ``enable_fp_fusion=False`` so no multiply
+is fused into an FMA.
 
 Kernels (``docs/decisions/0210-kernel-api-and-dispatch.md`` has the design and the counts):
 
@@ -43,6 +51,7 @@ import torch
 
 from fp8kit.formats import FP8Format
 from fp8kit.torch.kernels._common import CastResult, CastSpec, cast_spec, dense, empty
+from fp8kit.torch.kernels._native import env_flag
 from fp8kit.torch.kernels.triton_launch import launch
 
 try:  # optional dependency
@@ -56,6 +65,7 @@ __all__ = [
     "amax",
     "cast",
     "cast_current",
+    "set_hardware_conversion",
     "triton_available",
     "triton_cast",
     "triton_cast_transpose",
@@ -70,7 +80,9 @@ _MODE_GIVEN, _MODE_CURRENT, _MODE_FIRST_STEP = 0, 1, 2
 _F32 = torch.float32
 _IN_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _INTERPRETER_SMS = 1  # "SM count" for CPU tensors under TRITON_INTERPRET=1 (small grids)
-_sm_counts: dict[int, int] = {}
+_HW_CVT_CAPABILITY = (8, 9)  # cvt.rn.satfinite.{e4m3,e5m2}x2.f32: sm_89 (Ada) and newer
+_HW_CVT_ENABLED = env_flag("FP8KIT_TRITON_HW_CVT", True)  # README, "Environment variables"
+_device_facts_cache: dict[int, tuple[int, bool]] = {}
 
 
 def triton_available() -> bool:
@@ -125,26 +137,38 @@ if triton is not None:
             return raw.to(tl.float32)
 
     @triton.jit
-    def _quantize(raw, x, scale, FMT: tl.constexpr, IN: tl.constexpr):
-        """FP8 codes of ``x * scale`` (``x``: ``raw`` widened), a NaN keeping the sign of its
-        input: a GPU multiply returns the canonical NaN (sign bit clear), the CPU's keeps the
-        operand's, so the sign is read from the input's own bits (docs/semantics.md section 2)."""
-        code = _encode(x * scale, FMT)
+    def _quantize(raw, x, scale, FMT: tl.constexpr, IN: tl.constexpr, HW: tl.constexpr):
+        """FP8 codes of ``x * scale`` (``x``: ``raw`` widened to float32).
+
+        HW: the conversion is the GPU's ``cvt.rn.satfinite`` to E4M3 / E5M2 (sm_89 and newer):
+        round to nearest even, finite values and +-inf beyond the format's maximum saturate to
+        +-fmax, as :func:`_encode` does with integer arithmetic (``docs/decisions/0253-cast-
+        kernels-convert-in-hardware.md``). A NaN input keeps its sign in either case: its code is
+        the high byte of its own bits (sign, then exponent bits that are all ones), because a
+        GPU multiply and ``cvt`` both return the canonical NaN (docs/semantics.md section 2)."""
+        p = x * scale
+        if HW:
+            if FMT == 0:
+                code = p.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            else:
+                code = p.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        else:
+            code = _encode(p, FMT)
         if IN == 0:
-            b = raw.to(tl.uint32, bitcast=True)
-            nan = (b & 0x7FFFFFFF) > 0x7F800000
-            sign = (b >> 24) & 0x80
-        else:  # bfloat16 (as int16 bits) or float16: 16-bit codes
-            h = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
-            nan = (h & 0x7FFF) > (0x7F80 if IN == 1 else 0x7C00)
-            sign = (h >> 8) & 0x80
-        return tl.where(nan, (sign | 0x7F).to(tl.uint8), code)
+            nan_code = (raw.to(tl.uint32, bitcast=True) >> 24).to(tl.uint8)
+        elif IN == 1:  # bfloat16 read as int16 bits: sign and 7 exponent bits
+            nan_code = (raw.to(tl.uint16, bitcast=True) >> 8).to(tl.uint8)
+        else:  # float16: sign, 5 exponent bits, 2 mantissa bits
+            nan_code = ((raw.to(tl.uint16, bitcast=True) >> 8) | 0x7F).to(tl.uint8)
+        return tl.where(x != x, nan_code, code)
 
     @triton.jit
-    def _abs_no_nan(x):
-        """|x| with NaN replaced by 0 (NaN never enters an amax)."""
-        ax = tl.abs(x)
-        return tl.where(ax == ax, ax, 0.0)
+    def _fold_amax(acc, x):
+        """``max(acc, |x|)`` elementwise, a NaN in x ignored (NaN never enters an amax): the
+        IEEE maxNum that ``PropagateNan.NONE`` lowers to (PTX ``max.f32``, one ``FMNMX`` with
+        an ``|x|`` operand; ``np.fmax`` under the interpreter), checked in the PTX by
+        ``test_triton_kernels_lower_for_hopper``. acc starts at 0 and so never holds a NaN."""
+        return tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.NONE)
 
     @triton.jit
     def scale_from_amax(amax, old, numerator, fmax_exp, fmax_mant, margin, POW2: tl.constexpr):
@@ -232,6 +256,7 @@ if triton is not None:
         IN: tl.constexpr,
         MODE: tl.constexpr,
         POW2: tl.constexpr,
+        HW: tl.constexpr,
         BLOCK: tl.constexpr,
         P_BLOCK: tl.constexpr,
     ):
@@ -249,16 +274,16 @@ if triton is not None:
             raw = tl.load(src + offs)
             x = _widen(raw, IN)
             if MODE != 1:
-                acc = tl.maximum(acc, _abs_no_nan(x))
-            tl.store(dst + offs, _quantize(raw, x, scale, FMT, IN))
+                acc = _fold_amax(acc, x)
+            tl.store(dst + offs, _quantize(raw, x, scale, FMT, IN, HW))
         if tl.program_id(0) == tl.num_programs(0) - 1:  # the tail (maybe empty)
             offs = n_main + tl.arange(0, BLOCK)
             mask = offs < n
             raw = tl.load(src + offs, mask=mask, other=0)
             x = _widen(raw, IN)
             if MODE != 1:
-                acc = tl.maximum(acc, _abs_no_nan(x))
-            tl.store(dst + offs, _quantize(raw, x, scale, FMT, IN), mask=mask)
+                acc = _fold_amax(acc, x)
+            tl.store(dst + offs, _quantize(raw, x, scale, FMT, IN, HW), mask=mask)
         _finish(tl.max(acc, axis=0), amax_all, scale, amax_ptr, scale_inv_ptr, MODE)
 
     @triton.jit
@@ -280,6 +305,7 @@ if triton is not None:
         IN: tl.constexpr,
         MODE: tl.constexpr,
         POW2: tl.constexpr,
+        HW: tl.constexpr,
         TRANSPOSE: tl.constexpr,
         DBIAS: tl.constexpr,
         EVEN: tl.constexpr,
@@ -310,10 +336,10 @@ if triton is not None:
                 raw = tl.load(src + offs, mask=mask, other=0)
             x = _widen(raw, IN)
             if MODE != 1:
-                acc = tl.maximum(acc, _abs_no_nan(x))
+                acc = _fold_amax(acc, x)
             if DBIAS:
                 col_acc += x
-            code = _quantize(raw, x, scale, FMT, IN)
+            code = _quantize(raw, x, scale, FMT, IN, HW)
             if EVEN:
                 tl.store(dst + offs, code)
             else:
@@ -383,11 +409,11 @@ if triton is not None:
         step = tl.num_programs(0).to(tl.int64) * BLOCK
         for start in range(first, n_main, step):
             x = _widen(tl.load(src + start + tl.arange(0, BLOCK)), IN)
-            acc = tl.maximum(acc, _abs_no_nan(x))
+            acc = _fold_amax(acc, x)
         if (tl.program_id(0) == tl.num_programs(0) - 1) & active:
             offs = (n // BLOCK) * BLOCK + tl.arange(0, BLOCK)
             x = _widen(tl.load(src + offs, mask=offs < n, other=0), IN)
-            acc = tl.maximum(acc, _abs_no_nan(x))
+            acc = _fold_amax(acc, x)
         result = tl.max(acc, axis=0)
         if ATOMIC:
             ptr = out_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -400,17 +426,56 @@ if triton is not None:
 # Launchers (arguments checked by dispatch.py; x is CUDA, or CPU under TRITON_INTERPRET=1)
 
 
-def _sms(x: torch.Tensor) -> int:
-    """Streaming multiprocessors of x's GPU (cached per device; small under the interpreter)."""
+def _device_facts(x: torch.Tensor) -> tuple[int, bool]:
+    """``(SMs, hardware FP8 conversion)`` of x's GPU, cached per device.
+
+    Hardware conversion (``cvt.rn.satfinite`` to E4M3 / E5M2) needs CUDA sm_89 or newer; CPU
+    tensors (the interpreter, whose own float8 conversion does not round to nearest even) and
+    older or non-NVIDIA GPUs use :func:`_encode`; ``FP8KIT_TRITON_HW_CVT=0`` forces it everywhere
+    (ADR 0253)."""
     index = x.get_device()
-    count = _sm_counts.get(index)
-    if count is None:
+    facts = _device_facts_cache.get(index)
+    if facts is None:
         if index < 0:
-            count = _INTERPRETER_SMS
+            facts = (_INTERPRETER_SMS, False)
         else:
-            count = torch.cuda.get_device_properties(index).multi_processor_count
-        _sm_counts[index] = count
-    return count
+            props = torch.cuda.get_device_properties(index)
+            hw = (
+                torch.version.hip is None
+                and (props.major, props.minor) >= _HW_CVT_CAPABILITY
+                and _HW_CVT_ENABLED
+            )
+            facts = (props.multi_processor_count, hw)
+        _device_facts_cache[index] = facts
+    return facts
+
+
+def set_hardware_conversion(device: torch.device, enabled: bool) -> bool:
+    """Make the casts on ``device`` convert with the GPU's ``cvt.rn.satfinite`` (``enabled``) or
+    with integer arithmetic; returns the previous choice. For the benchmarks and tests that
+    compare the two (ADR 0253); a CPU device (Triton's interpreter) takes ``enabled`` only for
+    wiring tests, its float8 conversion being exact just for values on the FP8 grid.
+
+    Raises:
+        ValueError: ``enabled`` on a CUDA device without FP8 conversion instructions (below
+            sm_89, or not an NVIDIA GPU).
+    """
+    probe = torch.empty(0, device=device)
+    sms, previous = _device_facts(probe)
+    if enabled and probe.is_cuda:
+        props = torch.cuda.get_device_properties(probe.get_device())
+        if torch.version.hip is not None or (props.major, props.minor) < _HW_CVT_CAPABILITY:
+            raise ValueError(
+                f"enabled=True needs an NVIDIA GPU with sm_89 or newer, {device} is "
+                f"{props.name} (sm_{props.major}{props.minor})"
+            )
+    _device_facts_cache[probe.get_device()] = (sms, enabled)
+    return previous
+
+
+def _sms(x: torch.Tensor) -> int:
+    """Streaming multiprocessors of x's GPU (small under the interpreter)."""
+    return _device_facts(x)[0]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -464,7 +529,7 @@ def _launch(
     out: torch.Tensor | None = None,
 ) -> CastResult:
     x = dense(x)
-    sms = _sms(x)
+    sms, hw = _device_facts(x)
     device = x.device
     partials, n_partials = (None, 0)
     if mode != _MODE_GIVEN:
@@ -501,6 +566,7 @@ def _launch(
                 spec.in_id,
                 mode,
                 power_2_scale,
+                hw,
                 _BLOCK_1D,
                 p_block,
             ),
@@ -537,6 +603,7 @@ def _launch(
             spec.in_id,
             mode,
             power_2_scale,
+            hw,
             transpose,
             dbias,
             m % _TILE == 0 and n % _TILE == 0,
