@@ -15,6 +15,7 @@ BENCHMARKS = (
     "bench_memory",
     "bench_reduction",
     "bench_keras",
+    "kernel_census",
 )
 
 

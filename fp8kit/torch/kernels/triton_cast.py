@@ -74,6 +74,7 @@ __all__ = [
 _BLOCK_1D = 4096  # elements per block of the plain cast (16 per thread with 8 warps)
 _BLOCK_AMAX = 8192  # elements per block of the amax pass
 _TILE = 64  # rows and columns of a 2-D tile
+_WARPS_1D = 8
 _DBIAS_COLS = 256  # columns per program of the dbias reduction
 _DBIAS_ROWS = 32  # partial rows per load of the dbias reduction
 _MODE_GIVEN, _MODE_CURRENT, _MODE_FIRST_STEP = 0, 1, 2
@@ -473,6 +474,11 @@ def set_hardware_conversion(device: torch.device, enabled: bool) -> bool:
     return previous
 
 
+def warps_2d(in_id: int) -> int:
+    """Warps of a 2-D cast program for input ``in_id`` (float32 8, 16-bit inputs 4)."""
+    return 8 if in_id == 0 else 4
+
+
 def _sms(x: torch.Tensor) -> int:
     """Streaming multiprocessors of x's GPU (small under the interpreter)."""
     return _device_facts(x)[0]
@@ -570,7 +576,7 @@ def _launch(
                 _BLOCK_1D,
                 p_block,
             ),
-            num_warps=8,
+            num_warps=_WARPS_1D,
             enable_fp_fusion=False,
         )
         return CastResult(data, None, amax, scale_inv, None)
@@ -611,7 +617,7 @@ def _launch(
             _TILE,
             p_block,
         ),
-        num_warps=8 if spec.in_id == 0 else 4,
+        num_warps=warps_2d(spec.in_id),
         enable_fp_fusion=False,
     )
     bias = None
