@@ -5,8 +5,9 @@ kernels. A third variant, "kernels only", runs the same FP8 step (three casts, t
 update events) from fp8kit's kernel API inside a bare autograd Function, with nothing else: the
 floor any frontend built on these kernel calls can reach. A stack of eight 32 x 32 layers in one
 autocast (no floor) shows the cost per layer once the autocast and the update events are shared,
-as in a real model. All are timed round-robin in one process; the tables give the median and the
-best of the rounds.
+as in a real model. A last table times a 64 x 64 step eager and under ``torch.compile``
+(fullgraph): the compiled FP8 module's host time (ADR 0254). All are timed round-robin in one
+process; the tables give the median and the best of the rounds.
 """
 
 from __future__ import annotations
@@ -127,6 +128,37 @@ def stack_step_times(repeats: int, calls: int = 5) -> dict[str, list[float]]:
     return _us_per_step(_training_loops(base, fp8, x, calls), repeats, calls)
 
 
+COMPILED_SIZE = 64
+
+
+def compiled_step_times(size: int, repeats: int, calls: int = 20) -> dict[str, list[float]]:
+    """Microseconds per training step of ``nn.Linear`` and ``f8.Linear`` (size x size), eager
+    and under ``torch.compile(fullgraph=True)`` (the autocast around the compiled module, as
+    docs/decisions/0233-torch-compile.md asks), one value per round."""
+    torch.manual_seed(0)
+    x = torch.randn(32, size, requires_grad=True)
+    base, fp8 = torch.nn.Linear(size, size), f8.Linear(size, size)
+    eager = _training_loops(base, fp8, x, calls)
+    torch._dynamo.reset()
+    compiled = _training_loops(
+        torch.compile(base, fullgraph=True, dynamic=False),
+        torch.compile(fp8, fullgraph=True, dynamic=False),
+        x,
+        calls,
+    )
+    variants = {**eager, **{f"{name} compiled": fn for name, fn in compiled.items()}}
+    return _us_per_step(variants, repeats, calls)
+
+
+def _compiled_table(times: dict[str, float]) -> str:
+    header = ["variant", "us / step", "/ nn.Linear eager", "/ same model eager"]
+    rows = []
+    for name, us in times.items():
+        eager = times[name.removesuffix(" compiled")]
+        rows.append([name, f"{us:.0f}", f"{us / times['nn.Linear']:.2f}x", f"{us / eager:.2f}x"])
+    return markdown_table(header, rows)
+
+
 def _table(times: dict[str, dict[str, float]]) -> str:
     header = ["Linear", "nn.Linear us / step", "fp8kit us / step", "kernels only us / step",
               "fp8kit / nn.Linear", "kernels only / nn.Linear"]  # fmt: skip
@@ -148,11 +180,15 @@ def main(argv: list[str] | None = None) -> str:
     samples[f"{STACK_LAYERS} layers of 32 x 32"] = stack_step_times(repeats)
     medians = {n: {k: statistics.median(v) for k, v in t.items()} for n, t in samples.items()}
     best = {n: {k: min(v) for k, v in t.items()} for n, t in samples.items()}
+    compiled = compiled_step_times(COMPILED_SIZE, repeats)
     text = (
         f"Machine: {machine_note()}\n\n"
         f"Median of {repeats} rounds:\n\n{_table(medians)}\n\n"
         f"Best of {repeats} rounds (less disturbed by other load on a shared machine):\n\n"
-        f"{_table(best)}"
+        f"{_table(best)}\n\n"
+        f"torch.compile(fullgraph=True), {COMPILED_SIZE} x {COMPILED_SIZE} (32 rows), median of "
+        f"{repeats} rounds:\n\n"
+        f"{_compiled_table({k: statistics.median(v) for k, v in compiled.items()})}"
     )
     print(text)
     return text

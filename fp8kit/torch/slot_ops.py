@@ -10,11 +10,10 @@ autocast's ``event_key``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from fp8kit.torch.autocast import enrol, event_of
+from fp8kit.torch.kernels._library import define_op
 from fp8kit.torch.plan import plan_for
 from fp8kit.torch.quantization import Float8Tensor, nan_ignoring_amax
 from fp8kit.torch.recompute import check_not_checkpointed, check_not_recomputed
@@ -26,16 +25,21 @@ __all__ = ["quantize_traced", "record_traced"]
 
 # cudagraph_unsafe: the enrolment is host work that a CUDA graph replay would skip, so Inductor
 # keeps this op out of its CUDA graphs (mode="reduce-overhead" graphs the rest around it). Torch
-# releases without the tag (before 2.8) get no tags argument at all.
-_OP_TAGS: dict[str, Any] = (
-    {"tags": (torch.Tag.cudagraph_unsafe,)} if hasattr(torch.Tag, "cudagraph_unsafe") else {}
+# releases without the tag (before 2.8) get none.
+_OP_TAGS: tuple[torch.Tag, ...] = (
+    (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+)
+# The ops' signature: the state's op token (declared mutated), the input, the two states' uids,
+# the autocast's event key and the packed call (:func:`_pack_call`).
+_SLOT_ARGS = (
+    "(Tensor(a!) token, Tensor x, int forward_uid, int backward_uid, int event_key, int call)"
 )
 
 
-# A call's slot and flags travel as one int: torch's ADInplaceOrView kernel for an op with a
-# mutated argument (``custom_op``'s) re-reads the schema once per argument on every call, a cost
-# that grows with the square of the argument count (22-40 us at 11 arguments, 2-core AMD EPYC,
-# 2026-11-28; docs/decisions/0252-first-gpu-run.md).
+# A call's slot and flags travel as one int. It was packed when the ops were ``custom_op``'s,
+# whose Python ADInplaceOrView kernel re-read the schema once per argument on every call
+# (docs/decisions/0252-first-gpu-run.md); the ops are now plain library ops (ADR 0254), and one
+# int is still the fewest arguments to convert per call.
 _BACKWARD, _RECORD, _TRANSPOSE, _DBIAS, _ENROL = 1, 2, 4, 8, 16
 _FLAG_BITS = 5
 
@@ -67,8 +71,7 @@ def _pack_call(
 # mutated is the state's 0-element ``op_token``: that keeps every cast in the forward graph (the
 # partitioner would otherwise move one that only the backward uses past the forward update
 # event) and keeps a cast no GEMM uses from being dropped (docs/decisions/0233-torch-compile.md).
-@torch.library.custom_op("fp8kit::quantize_slot", mutates_args=("token",), **_OP_TAGS)
-def _quantize_slot_op(
+def _quantize_slot(
     token: torch.Tensor,
     x: torch.Tensor,
     forward_uid: int,
@@ -104,8 +107,7 @@ def _quantize_slot_op(
     return q.data, data_t, q.scale_inv, db if db is not None else x.new_empty(0)
 
 
-@_quantize_slot_op.register_fake
-def _(
+def _quantize_slot_fake(
     token: torch.Tensor,
     x: torch.Tensor,
     forward_uid: int,
@@ -121,8 +123,16 @@ def _(
     return data, data_t, x.new_empty((), dtype=torch.float32), db
 
 
-@torch.library.custom_op("fp8kit::record_slot", mutates_args=("token",), **_OP_TAGS)
-def _record_slot_op(
+_quantize_slot_op = define_op(
+    "quantize_slot",
+    f"{_SLOT_ARGS} -> (Tensor, Tensor, Tensor, Tensor)",
+    _quantize_slot,
+    _quantize_slot_fake,
+    _OP_TAGS,
+)
+
+
+def _record_slot(
     token: torch.Tensor,
     x: torch.Tensor,
     forward_uid: int,
@@ -145,8 +155,7 @@ def _record_slot_op(
         enrol(state, event_key, False)
 
 
-@_record_slot_op.register_fake
-def _(
+def _record_slot_fake(
     token: torch.Tensor,
     x: torch.Tensor,
     forward_uid: int,
@@ -155,6 +164,11 @@ def _(
     call: int,
 ) -> None:
     return None
+
+
+_record_slot_op = define_op(
+    "record_slot", f"{_SLOT_ARGS} -> ()", _record_slot, _record_slot_fake, _OP_TAGS
+)
 
 
 def quantize_traced(
@@ -171,7 +185,7 @@ def quantize_traced(
     """The cast of a traced module call into ``slot`` of ``meta``'s forward or backward state:
     one ``fp8kit::quantize_slot`` node. Returns ``(q, dbias or None)``; ``q.amax`` is None."""
     state = meta.backward if backward else meta.forward
-    data, data_t, scale_inv, db = torch.ops.fp8kit.quantize_slot(
+    data, data_t, scale_inv, db = _quantize_slot_op(
         state.op_token,
         x,
         meta.forward.uid,
@@ -187,7 +201,7 @@ def record_traced(
     meta: FP8Meta, event_key: int, x: torch.Tensor, slot: int, enrol_state: bool
 ) -> None:
     """The amax record of a traced calibration call: one ``fp8kit::record_slot`` node."""
-    torch.ops.fp8kit.record_slot(
+    _record_slot_op(
         meta.forward.op_token,
         x,
         meta.forward.uid,

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from fp8kit.torch.kernels import native
+from fp8kit.torch.kernels._library import define_op
 
 __all__ = ["small_fp8_gemm_op"]
 
 
-@torch.library.custom_op("fp8kit::small_fp8_gemm", mutates_args=())
-def small_fp8_gemm_op(
+def _small_fp8_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
     a_scale: torch.Tensor,
@@ -28,8 +28,7 @@ def small_fp8_gemm_op(
     return native.small_fp8_gemm(a, b, a_scale, b_scale, out_dtype, bias)
 
 
-@small_fp8_gemm_op.register_fake
-def _(
+def _small_fp8_gemm_fake(
     a: torch.Tensor,
     b: torch.Tensor,
     a_scale: torch.Tensor,
@@ -38,3 +37,14 @@ def _(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+small_fp8_gemm_op = define_op(
+    "small_fp8_gemm",
+    "(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale, ScalarType out_dtype, Tensor? bias)"
+    " -> Tensor",
+    _small_fp8_gemm,
+    _small_fp8_gemm_fake,
+)
+"""``fp8kit::small_fp8_gemm(a, b, a_scale, b_scale, out_dtype, bias)``: the native small GEMM
+as one op of a compiled graph."""
