@@ -1659,6 +1659,28 @@ def test_triton_on_the_gpu_every_16bit_pattern(
                     assert torch.equal(t.data_t.cpu(), t.data.cpu().t().contiguous()), what
 
 
+_HW_SWITCH_CHECK = """
+    import importlib, os
+    from fp8kit.torch.kernels import triton_cast as tc
+    for value in ("", "off", "ON", "nope"):
+        os.environ["FP8KIT_TRITON_HW_CVT"] = value
+        try:
+            print(repr(value), importlib.reload(tc)._HW_CVT_ENABLED)
+        except ValueError as exc:
+            print(repr(value), "ValueError", exc)
+"""
+
+
+def test_hardware_conversion_switch_is_read_at_import() -> None:
+    """FP8KIT_TRITON_HW_CVT: on unless set off (the words of FP8KIT_DISABLE_NATIVE); any other
+    value raises at the import (the first CUDA cast), naming the variable."""
+    rc, out, err = _finish(_start_python(_HW_SWITCH_CHECK))
+    assert rc == 0, out + err
+    lines = out.splitlines()
+    assert lines[:3] == ["'' True", "'off' False", "'ON' True"], out
+    assert lines[3].startswith("'nope' ValueError FP8KIT_TRITON_HW_CVT must be one of"), out
+
+
 _GPU_CONVERSION_SOURCE = """
 #include <cstddef>
 #include "cuda_fp8.h"

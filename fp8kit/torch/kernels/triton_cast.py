@@ -143,10 +143,10 @@ if triton is not None:
 
         HW: the conversion is the GPU's ``cvt.rn.satfinite`` to E4M3 / E5M2 (sm_89 and newer):
         round to nearest even, finite values and +-inf beyond the format's maximum saturate to
-        +-fmax, as :func:`_encode` does with integer arithmetic (``docs/decisions/0253-cast-
-        kernels-convert-in-hardware.md``). A NaN input keeps its sign in either case: its code is
-        the high byte of its own bits (sign, then exponent bits that are all ones), because a
-        GPU multiply and ``cvt`` both return the canonical NaN (docs/semantics.md section 2)."""
+        +-fmax, as :func:`_encode` does with integer arithmetic (ADR 0253). A NaN input keeps its
+        sign in either case: its code is the high byte of its own bits (sign, then exponent bits
+        that are all ones), because a GPU multiply and ``cvt`` both return the canonical NaN
+        (docs/semantics.md section 2)."""
         p = x * scale
         if HW:
             if FMT == 0:
