@@ -14,8 +14,9 @@ Layer kinds: ``flax-bf16`` (``flax.linen.Dense``), ``flax-fp8`` (``flax.linen.De
 ``fp8kit`` (``fp8kit.jax.linen.Dense``, delayed scaling, default recipe). Parameters are
 float32, computation bfloat16, in every variant.
 
-Reported per variant: the median step time over ``repeats`` steps (each ``block_until_ready``,
-after warm-up) and, from the compiled HLO (``.lower(...).compile().as_text()``), the number of
+Reported per variant (a line as each ends, then a table per case): the median step time over
+``repeats`` steps (each ``block_until_ready``, after warm-up), the seconds its step took to
+compile, and, from the compiled HLO (``.lower(...).compile().as_text()``), the number of
 cuBLASLt FP8 GEMMs (``__cublas$lt$matmul$f8``) beside all cuBLAS GEMM calls and Triton GEMM
 fusions. On a machine without a CUDA GPU JAX backend it prints why and measures nothing.
 
@@ -188,7 +189,9 @@ def run_variant(
     with f8.autocast(enabled=variant == "fp8kit", recipe=f8.DelayedScaling()):
         variables = jax.jit(model.init)(jax.random.PRNGKey(0), x)
     step = make_step(model, variant)
+    compile_start = time.perf_counter()
     compiled = step.lower(variables, x, target).compile()
+    compile_s = time.perf_counter() - compile_start
     gemms = count_gemms(compiled.as_text())
     for _ in range(warmup):
         variables, loss, dx = compiled(variables, x, target)
@@ -205,6 +208,7 @@ def run_variant(
         "min_ms": min(times) * 1e3,
         "loss": float(loss),
         "gemms": gemms,
+        "compile_s": compile_s,
     }
 
 
@@ -233,7 +237,17 @@ def run_case(
         gemms = 12 * shape.blocks
     x = jax.random.normal(key, dims, jnp.bfloat16)
     target = jax.random.normal(jax.random.fold_in(key, 1), dims, jnp.bfloat16)
-    results = {v: run_variant(model_fn, v, x, target, warmup, repeats) for v in variants}
+    results = {}
+    for variant in variants:
+        results[variant] = r = run_variant(model_fn, variant, x, target, warmup, repeats)
+        # one line per variant as it ends: a time limit keeps what finished (compiles take long)
+        summary = (
+            f"{r['median_ms']:.2f} ms, compiled in {r['compile_s']:.1f} s, "
+            f"{r['gemms']['f8']} FP8 GEMMs"
+            if r["status"] == "ok"
+            else r["status"]
+        )
+        print(f"  {name} {variant}: {summary}", flush=True)
     return {"case": name, "shape": shape.__dict__, "dense_gemms": gemms, "variants": results}
 
 
