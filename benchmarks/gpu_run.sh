@@ -12,9 +12,11 @@
 # Logs go to $OUT (./gpu-out without it): tests.log, bench.log, gpu.txt. One device call runs at
 # most 10 minutes: run "tests", "bench" and "bench-sub" as three calls, or "all" with --quick.
 # lease: everything in one call of at most ~9 minutes, for a session lent 15 minutes of device
-#    time in all (the machine's start included): the CUDA-only tests (at most 120 s), bench
-#    --quick at 0.45x budgets (at most 180 s), then bench-sub (at most 240 s: JAX compiles for
-#    minutes); no full test run. Times seen on an H200: docs/benchmarks.md, "How to run".
+#    time in all (the machine's start included): the CUDA-only tests of the default (hardware)
+#    FP8 conversion (at most 120 s), bench --quick at 0.45x budgets (at most 180 s), bench-sub
+#    (at most 180 s: JAX compiles for minutes), then the same tests with the integer conversion
+#    (at most 60 s; ADR 0253); no full test run. Times seen on an H200: docs/benchmarks.md,
+#    "How to run".
 # Set FP8KIT_COMMIT to the commit hash: a copied tree may have no .git, or an older one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,11 +36,14 @@ export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 status=0
 gpu_only="test_triton_on_the_gpu or test_real_cuda_graphs or test_cuda_compiled_modes or test_cuda_masked_events_never_sync"
-# Each takes its time limit in seconds (0: none); the benchmarks then their extra options.
+# The CUDA-only tests: a time limit in seconds, then (optional) a -k filter ANDed with them.
 gpu_tests() {
-  timeout "$1" python3 -m pytest -v -ra tests/torch -k "$gpu_only" -p no:cacheprovider 2>&1 \
-    | tee "$out/tests.log" | tail -30 || status=$?
+  local select="$gpu_only"
+  [ -n "${2:-}" ] && select="($gpu_only) and ($2)"
+  timeout "$1" python3 -m pytest -v -ra tests/torch -k "$select" -p no:cacheprovider 2>&1 \
+    | tee -a "$out/tests.log" | tail -30 || status=$?
 }
+# The benchmarks: a time limit in seconds (0: none), then their extra options.
 bench() {
   local limit="$1"; shift
   timeout "$limit" python3 -m benchmarks.gpu --only linear,tiny,syncs,cast,gpt \
@@ -50,7 +55,7 @@ bench_sub() {
     | tee "$out/bench-sub.log" || status=$?
 }
 if [ "$mode" = all ] || [ "$mode" = tests ]; then
-  gpu_tests 240
+  gpu_tests 300
   timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -v -ra tests/torch \
     -k "not under_interpreter and not ($gpu_only)" -p no:cacheprovider 2>&1 \
     | tee -a "$out/tests.log" | tail -30 || status=$?
@@ -62,8 +67,9 @@ if [ "$mode" = all ] || [ "$mode" = bench-sub ]; then
   bench_sub 0 "$@"
 fi
 if [ "$mode" = lease ]; then
-  gpu_tests 120
+  gpu_tests 120 "not software"
   bench 180 --quick --budget-scale 0.45 "$@"
-  bench_sub 240
+  bench_sub 180
+  gpu_tests 60 "software"
 fi
 exit "$status"
