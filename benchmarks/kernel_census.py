@@ -28,7 +28,6 @@ from fp8kit.torch.kernels import triton_cast
 try:  # optional dependency, as in fp8kit.torch.kernels.triton_cast
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 _PTX_OP = re.compile(r"^\s*(?:@%p\d+\s+)?([a-z]+\.[\w.]+)", re.M)
@@ -46,15 +45,9 @@ def compile_sm90(
     aligned: tuple[str, ...],
     warps: int,
 ) -> dict[str, Any]:
-    """Triton's ``asm`` dict (``ptx``, ``cubin``...) of ``fn`` for sm_90, the pointers and ints in
-    ``aligned`` specialised as multiples of 16 (as a launch with aligned tensors is)."""
+    """Triton's ``asm`` dict of ``fn`` for sm_90 (:func:`triton_cast.compile_for_target`)."""
     target = GPUTarget("cuda", 90, 32)
-    names = list(fn.arg_names)
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    full = {k: ("constexpr" if k in consts else v) for k, v in signature.items()}
-    source = ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs)
-    options = {"num_warps": warps, "enable_fp_fusion": False}
-    return triton.compile(source, target=target, options=options).asm
+    return triton_cast.compile_for_target(fn, target, signature, consts, aligned, warps)
 
 
 def ptx_ops(ptx: str) -> list[str]:
@@ -132,7 +125,7 @@ def census() -> list[dict[str, Any]]:
                         "v4 stores": sum(o == "st.global.v4.b32" for o in ops),
                         "atomics": sum(o.startswith(("atom.", "red.")) for o in ops),
                         "div.rn": sum(o == "div.rn.f32" for o in ops),
-                        "cvt satfinite": sum(o.startswith("cvt.rn.satfinite.e4m3x2") for o in ops),
+                        "one-rounding cvt": triton_cast.converts_in_one_rounding(asm["ptx"], 0),
                         "nan max": sum(o.startswith(("max.NaN", "min.NaN")) for o in ops),
                         "bad": [
                             o

@@ -1620,8 +1620,11 @@ def test_triton_hardware_conversion_variant_wiring_under_interpreter() -> None:
 def use_triton_conversion(conversion: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the Triton casts on this CUDA device convert with ``conversion`` ("hardware":
     ``cvt.rn.satfinite``, sm_89+; "software": integer arithmetic) until the test ends."""
-    if conversion == "hardware" and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("the GPU's FP8 conversion needs sm_89 or newer")
+    capability = torch.cuda.get_device_capability()
+    if conversion == "hardware" and not (
+        capability >= (8, 9) and triton_cast._hardware_conversion_lowers(capability)
+    ):
+        pytest.skip("no one-rounding FP8 conversion for this GPU with this Triton (ADR 0253)")
     device = torch.device("cuda", torch.cuda.current_device())
     triton_cast._device_facts(torch.empty(0, device=device))  # the device's default entry
     cache = triton_cast._device_facts_cache
@@ -1657,6 +1660,46 @@ def test_triton_on_the_gpu_every_16bit_pattern(
                     assert torch.equal(r.amax.cpu(), want_amax), what
                     assert torch.equal(t.data.cpu().view(torch.uint8).view(-1), codes), what
                     assert torch.equal(t.data_t.cpu(), t.data.cpu().t().contiguous()), what
+
+
+def test_one_rounding_conversion_is_read_from_the_ptx() -> None:
+    """The direct float32 -> FP8 instruction of the format, and no FP8 conversion through
+    float16 (two roundings: what Triton 3.2 and 3.6 compile for sm_89; ADR 0253)."""
+    direct = "cvt.rn.satfinite.e4m3x2.f32 %rs1, %r2, %r3;"
+    through_f16 = "cvt.rn.f16x2.f32 %r4, %r2, %r3;\ncvt.rn.satfinite.e4m3x2.f16x2 %rs1, %r4;"
+    assert triton_cast.converts_in_one_rounding(direct, 0)
+    assert not triton_cast.converts_in_one_rounding(direct, 1)  # E5M2 wants e5m2x2
+    assert not triton_cast.converts_in_one_rounding(through_f16, 0)
+    assert not triton_cast.converts_in_one_rounding(direct + "\n" + through_f16, 0)
+    assert not triton_cast.converts_in_one_rounding("", 0)
+
+
+@pytest.mark.slow
+def test_hardware_conversion_is_used_where_triton_lowers_it_in_one_rounding() -> None:
+    """The per-capability probe (compiled, no GPU needed) agrees with the transposing kernel
+    compiled for that GPU: sm_90 converts directly with every Triton fp8kit supports; sm_89
+    does with the pinned Triton (3.9), not with 3.2 or 3.6 (checked by hand, ADR 0253)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (optional: pip install -c constraints.txt triton)")
+    sig = dict(
+        x_ptr="*bf16", scale_ptr="*fp32", count_ptr="*i64", partial_ptr="*fp32",
+        out_ptr="*fp8e4nv", out_t_ptr="*fp8e4nv", amax_ptr="*fp32", scale_inv_ptr="*fp32",
+        dbias_ptr="*fp32", m="i32", n="i32", tiles_per_program="i32", n_partials="i32",
+    )  # fmt: skip
+    for capability in ((8, 9), (9, 0)):
+        target = triton_cast.GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+        kernel_direct = True
+        for fmt_id in (0, 1):
+            consts = dict(
+                FMT=fmt_id, IN=1, MODE=0, POW2=False, HW=True, TRANSPOSE=True, DBIAS=True,
+                EVEN=True, BM=64, BN=64, P_BLOCK=16,
+            )  # fmt: skip
+            asm = triton_cast.compile_for_target(
+                triton_cast._cast_2d_kernel, target, {**sig, **consts}, consts, warps=4
+            )
+            kernel_direct &= triton_cast.converts_in_one_rounding(asm["ptx"], fmt_id)
+        assert triton_cast._hardware_conversion_lowers(capability) == kernel_direct, capability
+    assert triton_cast._hardware_conversion_lowers((9, 0))
 
 
 _HW_SWITCH_CHECK = """
@@ -1770,7 +1813,7 @@ def test_triton_kernels_lower_for_hopper() -> None:
         assert row["div.rn"] == 1, row
         assert row["nan max"] == 0, row
         assert row["bad"] == [], row
-        assert (row["cvt satfinite"] > 0) == (row["conversion"] == "hardware"), row
+        assert row["one-rounding cvt"] == (row["conversion"] == "hardware"), row
         if row["conversion"] == "hardware":
             integer = by_key[(row["input"], row["variant"], "integer")]["sass per element"]
             assert row["sass per element"] <= budget[row["variant"]], row

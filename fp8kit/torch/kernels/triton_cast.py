@@ -47,6 +47,9 @@ fp8kit then casts CUDA tensors with the pure-torch path.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 
 from fp8kit.formats import FP8Format
@@ -57,6 +60,13 @@ from fp8kit.torch.kernels.triton_launch import launch
 try:  # optional dependency
     import triton
     import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    try:  # Triton 3.2's form of the compile hints (gone in later releases)
+        from triton.backends.compiler import AttrsDescriptor
+    except ImportError:
+        AttrsDescriptor = None
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
@@ -65,6 +75,8 @@ __all__ = [
     "amax",
     "cast",
     "cast_current",
+    "compile_for_target",
+    "converts_in_one_rounding",
     "set_hardware_conversion",
     "triton_available",
     "triton_cast",
@@ -82,6 +94,10 @@ _F32 = torch.float32
 _IN_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _INTERPRETER_SMS = 1  # "SM count" for CPU tensors under TRITON_INTERPRET=1 (small grids)
 _HW_CVT_CAPABILITY = (8, 9)  # cvt.rn.satfinite.{e4m3,e5m2}x2.f32: sm_89 (Ada) and newer
+# The one instruction per format that converts float32 to FP8 in one rounding; some Triton
+# releases convert through float16 on some GPUs instead (two roundings), e.g. 3.2 and 3.6 on
+# sm_89 (ADR 0253), so the hardware conversion is used only where the compiled PTX has these.
+_DIRECT_CVT = {0: "cvt.rn.satfinite.e4m3x2.f32", 1: "cvt.rn.satfinite.e5m2x2.f32"}
 _HW_CVT_ENABLED = env_flag("FP8KIT_TRITON_HW_CVT", True)  # README, "Environment variables"
 _device_facts_cache: dict[int, tuple[int, bool]] = {}
 
@@ -427,13 +443,67 @@ if triton is not None:
 # Launchers (arguments checked by dispatch.py; x is CUDA, or CPU under TRITON_INTERPRET=1)
 
 
+def compile_for_target(
+    fn: Any,
+    target: Any,
+    signature: dict[str, str],
+    consts: dict[str, object],
+    aligned: tuple[str, ...] = (),
+    warps: int = _WARPS_1D,
+) -> dict[str, Any]:
+    """Triton's ``asm`` dict (``ptx``, ``cubin``...) of kernel ``fn`` compiled for ``target``
+    (a ``GPUTarget``) without launching it (no GPU needed): ``signature`` maps every parameter to
+    its Triton type (``"*bf16"``, ``"i32"``), ``consts`` the constexpr ones to their values, and
+    the parameters in ``aligned`` are specialised as multiples of 16, as a launch with aligned
+    tensors is. Works with the Triton releases fp8kit supports (3.2 took ``constants=``)."""
+    names = list(fn.arg_names)
+    full = {k: ("constexpr" if k in consts else v) for k, v in signature.items()}
+    try:
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+        source = ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs)
+    except TypeError:  # Triton 3.2: constants=, and the hints as an AttrsDescriptor
+        hints = AttrsDescriptor.from_hints({names.index(a): 16 for a in aligned})
+        source = ASTSource(fn=fn, signature=full, constants=consts, attrs=hints)
+    options = {"num_warps": warps, "enable_fp_fusion": False}
+    return triton.compile(source, target=target, options=options).asm
+
+
+def converts_in_one_rounding(ptx: str, fmt_id: int) -> bool:
+    """Whether a cast kernel's PTX converts float32 to format ``fmt_id`` (0 E4M3, 1 E5M2) with
+    the direct ``cvt.rn.satfinite`` and no FP8 conversion through float16."""
+    return _DIRECT_CVT[fmt_id] in ptx and ".f16x2" not in ptx
+
+
+@functools.cache
+def _hardware_conversion_lowers(capability: tuple[int, int]) -> bool:
+    """Whether this Triton compiles the casts' hardware conversion for a GPU of ``capability``
+    to the direct instruction, for both formats (compiled once per capability; a compile error
+    counts as no)."""
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    signature = dict(
+        x_ptr="*fp32", scale_ptr="*fp32", count_ptr="*i64", partial_ptr="*fp32",
+        out_ptr="*fp8e4nv", amax_ptr="*fp32", scale_inv_ptr="*fp32", n="i32", n_partials="i32",
+    )  # fmt: skip
+    for fmt_id in _DIRECT_CVT:
+        consts = dict(FMT=fmt_id, IN=0, MODE=0, POW2=False, HW=True, BLOCK=_BLOCK_1D, P_BLOCK=16)
+        try:
+            ptx = compile_for_target(_cast_1d_kernel, target, {**signature, **consts}, consts)[
+                "ptx"
+            ]
+        except Exception:
+            return False
+        if not converts_in_one_rounding(ptx, fmt_id):
+            return False
+    return True
+
+
 def _device_facts(x: torch.Tensor) -> tuple[int, bool]:
     """``(SMs, hardware FP8 conversion)`` of x's GPU, cached per device.
 
-    Hardware conversion (``cvt.rn.satfinite`` to E4M3 / E5M2) needs CUDA sm_89 or newer; CPU
-    tensors (the interpreter, whose own float8 conversion does not round to nearest even) and
-    older or non-NVIDIA GPUs use :func:`_encode`; ``FP8KIT_TRITON_HW_CVT=0`` forces it everywhere
-    (ADR 0253)."""
+    Hardware conversion (``cvt.rn.satfinite`` to E4M3 / E5M2) needs CUDA sm_89 or newer and a
+    Triton that compiles it to the direct float32 instruction for that GPU; CPU tensors (the
+    interpreter, whose own float8 conversion does not round to nearest even) and other GPUs use
+    :func:`_encode`; ``FP8KIT_TRITON_HW_CVT=0`` forces it everywhere (ADR 0253)."""
     index = x.get_device()
     facts = _device_facts_cache.get(index)
     if facts is None:
@@ -442,9 +512,10 @@ def _device_facts(x: torch.Tensor) -> tuple[int, bool]:
         else:
             props = torch.cuda.get_device_properties(index)
             hw = (
-                torch.version.hip is None
+                _HW_CVT_ENABLED
+                and torch.version.hip is None
                 and (props.major, props.minor) >= _HW_CVT_CAPABILITY
-                and _HW_CVT_ENABLED
+                and _hardware_conversion_lowers((props.major, props.minor))
             )
             facts = (props.multi_processor_count, hw)
         _device_facts_cache[index] = facts
@@ -459,15 +530,21 @@ def set_hardware_conversion(device: torch.device, enabled: bool) -> bool:
 
     Raises:
         ValueError: ``enabled`` on a CUDA device without FP8 conversion instructions (below
-            sm_89, or not an NVIDIA GPU).
+            sm_89, or not an NVIDIA GPU), or for which this Triton converts through float16.
     """
     probe = torch.empty(0, device=device)
     sms, previous = _device_facts(probe)
     if enabled and probe.is_cuda:
         props = torch.cuda.get_device_properties(probe.get_device())
-        if torch.version.hip is not None or (props.major, props.minor) < _HW_CVT_CAPABILITY:
+        capability = (props.major, props.minor)
+        if not (
+            torch.version.hip is None
+            and capability >= _HW_CVT_CAPABILITY
+            and _hardware_conversion_lowers(capability)
+        ):
             raise ValueError(
-                f"enabled=True needs an NVIDIA GPU with sm_89 or newer, {device} is "
+                f"enabled=True needs an NVIDIA GPU with sm_89 or newer for which Triton "
+                f"{triton.__version__} converts float32 to FP8 in one instruction; {device} is "
                 f"{props.name} (sm_{props.major}{props.minor})"
             )
     _device_facts_cache[probe.get_device()] = (sms, enabled)
