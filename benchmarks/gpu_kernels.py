@@ -121,21 +121,21 @@ def _bandwidth(dtype: torch.dtype, repeats: int) -> dict[str, Any]:
             n * (item + 2),
         ),
     }
-    rows = {"copy": {"ms": copy_ms, "GB/s": copy_rate}}
-    for name, (fn, nbytes) in variants.items():
+
+    def row(fn: Callable[[], object], nbytes: int) -> dict[str, float]:
         ms = _median_ms(fn, repeats)
         rate = nbytes / ms / 1e6
-        rows[name] = {"ms": ms, "GB/s": rate, "x copy": rate / copy_rate}
+        return {"ms": ms, "GB/s": rate, "x copy": rate / copy_rate}
+
+    rows = {"copy": {"ms": copy_ms, "GB/s": copy_rate}}
+    rows.update({name: row(fn, nbytes) for name, (fn, nbytes) in variants.items()})
     # the same Triton casts with the integer FP8 conversion (what GPUs below sm_89 run), side
     # by side with the hardware one (ADR 0253)
     hardware = triton_cast.set_hardware_conversion(x.device, False)
     try:
         if hardware:
             for name in _TRITON_CASTS:
-                fn, nbytes = variants[name]
-                ms = _median_ms(fn, repeats)
-                rate = nbytes / ms / 1e6
-                rows[f"{name} (integer cvt)"] = {"ms": ms, "GB/s": rate, "x copy": rate / copy_rate}
+                rows[f"{name} (integer cvt)"] = row(*variants[name])
     finally:
         triton_cast.set_hardware_conversion(x.device, hardware)
     return {"dtype": str(dtype).removeprefix("torch."), "elements": n, "rows": rows}

@@ -497,6 +497,17 @@ def _hardware_conversion_lowers(capability: tuple[int, int]) -> bool:
     return True
 
 
+def _hardware_conversion_possible(props: Any) -> bool:
+    """Whether the GPU of ``props`` (``torch.cuda.get_device_properties``) can take the casts'
+    hardware conversion: NVIDIA, sm_89 or newer, and this Triton converts in one rounding."""
+    capability = (props.major, props.minor)
+    return (
+        torch.version.hip is None
+        and capability >= _HW_CVT_CAPABILITY
+        and _hardware_conversion_lowers(capability)
+    )
+
+
 def _device_facts(x: torch.Tensor) -> tuple[int, bool]:
     """``(SMs, hardware FP8 conversion)`` of x's GPU, cached per device.
 
@@ -511,12 +522,7 @@ def _device_facts(x: torch.Tensor) -> tuple[int, bool]:
             facts = (_INTERPRETER_SMS, False)
         else:
             props = torch.cuda.get_device_properties(index)
-            hw = (
-                _HW_CVT_ENABLED
-                and torch.version.hip is None
-                and (props.major, props.minor) >= _HW_CVT_CAPABILITY
-                and _hardware_conversion_lowers((props.major, props.minor))
-            )
+            hw = _HW_CVT_ENABLED and _hardware_conversion_possible(props)
             facts = (props.multi_processor_count, hw)
         _device_facts_cache[index] = facts
     return facts
@@ -536,12 +542,7 @@ def set_hardware_conversion(device: torch.device, enabled: bool) -> bool:
     sms, previous = _device_facts(probe)
     if enabled and probe.is_cuda:
         props = torch.cuda.get_device_properties(probe.get_device())
-        capability = (props.major, props.minor)
-        if not (
-            torch.version.hip is None
-            and capability >= _HW_CVT_CAPABILITY
-            and _hardware_conversion_lowers(capability)
-        ):
+        if not _hardware_conversion_possible(props):
             raise ValueError(
                 f"enabled=True needs an NVIDIA GPU with sm_89 or newer for which Triton "
                 f"{triton.__version__} converts float32 to FP8 in one instruction; {device} is "
