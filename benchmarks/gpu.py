@@ -248,10 +248,10 @@ def tiny_section(budget: Budget) -> dict[str, Any]:
         "torchao eager": lambda: training_step(torchao_linear_like(base), x, dy, None),
         "torchao compiled": lambda: training_step(compiled(torchao_linear_like(base)), x, dy, None),
         "bf16 CUDA graph": lambda: training_step(
-            graphed(copy.deepcopy(base), x, None), x, dy, None
+            graphed(copy.deepcopy(base), (x,), None), x, dy, None
         ),
         "fp8kit delayed CUDA graph": lambda: training_step(
-            graphed(fp8_linear_like(base), x, DELAYED), x, dy, DELAYED
+            graphed(fp8_linear_like(base), (x,), DELAYED), x, dy, DELAYED
         ),
     }
     rows: dict[str, Any] = {}
@@ -384,12 +384,14 @@ def cast_section(budget: Budget) -> dict[str, Any]:
 # 5. GPT throughput
 
 
-GPT_VARIANTS = (  # (name, recipe, compiled, the bf16 variant it is compared with)
-    (BF16, None, False, BF16),
-    ("fp8kit delayed", DELAYED, False, BF16),
-    ("fp8kit current", CURRENT, False, BF16),
-    ("bf16 compiled", None, True, "bf16 compiled"),
-    ("fp8kit delayed compiled", DELAYED, True, "bf16 compiled"),
+GPT_VARIANTS = (  # (name, recipe, mode of gpt_training_step, the bf16 variant it is compared with)
+    (BF16, None, "eager", BF16),
+    ("fp8kit delayed", DELAYED, "eager", BF16),
+    ("fp8kit current", CURRENT, "eager", BF16),
+    ("bf16 CUDA graph", None, "graphed", "bf16 CUDA graph"),
+    ("fp8kit delayed CUDA graph", DELAYED, "graphed", "bf16 CUDA graph"),
+    ("bf16 compiled", None, "compiled", "bf16 compiled"),
+    ("fp8kit delayed compiled", DELAYED, "compiled", "bf16 compiled"),
 )
 
 
@@ -400,12 +402,12 @@ def gpt_section(quick: bool, budget: Budget) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for size, (config, batch) in sizes.items():
         row: dict[str, Any] = {}
-        for variant, recipe, compile_model, _ in GPT_VARIANTS:
+        for variant, recipe, mode, _ in GPT_VARIANTS:
             if budget.spent():
                 row[variant] = budget.skip_note()
                 continue
             row[variant] = cell(
-                lambda c=config, b=batch, r=recipe, k=compile_model: gpt_throughput(c, b, r, k)
+                lambda c=config, b=batch, r=recipe, m=mode: gpt_throughput(c, b, r, m)
             )
             gc.collect()
             torch.cuda.empty_cache()
@@ -418,12 +420,14 @@ def gpt_section(quick: bool, budget: Budget) -> dict[str, Any]:
 
 
 def gpt_throughput(
-    config: GPTConfig, batch: int, recipe: Any, compile_model: bool = False
+    config: GPTConfig, batch: int, recipe: Any, mode: str = "eager"
 ) -> dict[str, Any]:
     """Tokens/s over ``GPT_STEPS[1]`` AdamW steps after ``GPT_STEPS[0]`` warm-up steps, and the
-    peak allocated GiB of those steps (``torch.cuda.max_memory_allocated``); ``compile_model``
-    runs the model through ``torch.compile`` (the FP8 modules trace into its graphs)."""
-    step, model = gpt_training_step(config, batch, recipe, compile_model)
+    peak allocated GiB of those steps (``torch.cuda.max_memory_allocated``); ``mode`` as
+    :func:`~benchmarks.gpu_measure.gpt_training_step` (``"compiled"``: the FP8 modules trace
+    into torch.compile's graphs; ``"graphed"``: the whole model, loss included, in CUDA graphs,
+    captured before the warm-up steps)."""
+    step, model = gpt_training_step(config, batch, recipe, mode)
     warmup, timed = GPT_STEPS
     for _ in range(warmup):
         step()

@@ -135,33 +135,55 @@ def training_step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, recipe: 
     return step
 
 
+GPT_MODES = ("eager", "compiled", "graphed")
+"""How :func:`gpt_training_step` runs the model: as it is, through :func:`compiled`, or
+captured in CUDA graphs (:func:`graphed`)."""
+
+
 def gpt_training_step(
     config: GPTConfig,
     batch: int,
     recipe: Any,
-    compile_model: bool = False,
+    mode: str = "eager",
     device: str = "cuda",
 ) -> tuple[Step, GPT]:
     """One AdamW step of the demo GPT on random tokens (``batch`` x ``config.block_size``),
     ``torch.autocast`` bf16 around it and ``f8.autocast(recipe)`` unless ``recipe`` is None;
-    ``compile_model`` runs the model through :func:`compiled`. Returns ``(step, model)``."""
+    ``mode`` (:data:`GPT_MODES`) how the model runs. Returns ``(step, model)``; a step returns
+    its loss (0-d, detached).
+
+    Raises:
+        ValueError: ``mode`` outside :data:`GPT_MODES`.
+    """
+    if mode not in GPT_MODES:
+        raise ValueError(f"mode must be one of {', '.join(GPT_MODES)}, got {mode!r}")
     torch.manual_seed(0)
     with torch.device(device):  # initialised on the GPU: seconds instead of a minute on the host
         model = GPT(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    forward = compiled(model) if compile_model else model
     tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1), device=device)
     idx, targets = tokens[:, :-1], tokens[:, 1:]
 
-    def step() -> None:
-        with (
-            torch.autocast(torch.device(device).type, dtype=torch.bfloat16),
-            f8.autocast(enabled=recipe is not None, recipe=recipe),
-        ):
+    def bf16() -> torch.autocast:
+        # a capture refuses autocast's weight cache (torch.cuda.make_graphed_callables)
+        return torch.autocast(
+            torch.device(device).type, dtype=torch.bfloat16, cache_enabled=mode != "graphed"
+        )
+
+    forward: nn.Module = model
+    if mode == "compiled":
+        forward = compiled(model)
+    elif mode == "graphed":
+        with bf16():
+            forward = graphed(model, (idx, targets), recipe)
+
+    def step() -> torch.Tensor:
+        with bf16(), f8.autocast(enabled=recipe is not None, recipe=recipe):
             loss = forward(idx, targets)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss.detach()
 
     return step, model
 
@@ -173,12 +195,14 @@ def compiled(module: nn.Module) -> nn.Module:
     return torch.compile(module, dynamic=False)  # type: ignore[return-value]
 
 
-def graphed(module: nn.Module, x: torch.Tensor, recipe: Any) -> nn.Module:
-    """``module`` captured in CUDA graphs, forward and backward, for inputs like ``x``:
-    ``f8.make_graphed_callables`` under ``recipe``, torch's function when ``recipe`` is None."""
+def graphed(module: nn.Module, args: tuple[torch.Tensor, ...], recipe: Any) -> nn.Module:
+    """``module`` captured in CUDA graphs, forward and backward, for calls like ``module(*args)``
+    (one output): ``f8.make_graphed_callables`` under ``recipe``, torch's function when
+    ``recipe`` is None. Replays take tensors of the same shapes and dtypes."""
     if recipe is None:
-        return torch.cuda.make_graphed_callables(module, (x,))  # type: ignore[return-value]
-    return f8.make_graphed_callables(module, (x,), fp8_enabled=True, fp8_recipe=recipe)  # type: ignore[return-value]
+        (module,) = torch.cuda.make_graphed_callables((module,), (args,))
+        return module
+    return f8.make_graphed_callables(module, args, fp8_enabled=True, fp8_recipe=recipe)  # type: ignore[return-value]
 
 
 def fp8_linear_like(base: nn.Linear) -> f8.Linear:

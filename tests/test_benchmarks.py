@@ -312,6 +312,46 @@ def test_gpt_training_step_trains_the_demo_model_in_fp8() -> None:
     assert scales and not torch.all(scales[0] == 1)
 
 
+@pytest.mark.parametrize("recipe_name", ["bf16", "delayed"])
+def test_gpt_training_step_in_cuda_graphs_trains_like_eager(
+    recipe_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench-gpu's CUDA-graphed GPT (whole model and loss in one capture, the CPU stand-in for
+    torch's capture here): its losses, parameters and FP8 states after each step are bit for
+    bit those of the eager step."""
+    import torch
+
+    from benchmarks.gpu_measure import DELAYED, gpt_training_step
+    from fp8kit.demo.model import GPTConfig
+    from tests.torch.emulated_graphs import emulated_make_graphed_callables
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", emulated_make_graphed_callables)
+    recipe = DELAYED if recipe_name == "delayed" else None
+    config = GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=32)
+    eager_step, eager = gpt_training_step(config, 2, recipe, device="cpu")
+    graphed_step, graphed = gpt_training_step(config, 2, recipe, mode="graphed", device="cpu")
+    assert "forward" in graphed.__dict__  # the capture replaced the forward
+    for _ in range(3):
+        assert torch.equal(eager_step(), graphed_step())
+        for (name, a), b in zip(
+            eager.state_dict().items(), graphed.state_dict().values(), strict=True
+        ):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), name
+    counts = [m.fp8_meta.forward.update_count for m in graphed.modules() if hasattr(m, "fp8_meta")]
+    assert counts and all(c.max() == (0 if recipe is None else 3) for c in counts)
+
+
+def test_gpt_training_step_names_a_bad_mode() -> None:
+    from benchmarks.gpu_measure import gpt_training_step
+    from fp8kit.demo.model import GPTConfig
+
+    with pytest.raises(
+        ValueError, match="mode must be one of eager, compiled, graphed, got 'cuda'"
+    ):
+        gpt_training_step(GPTConfig(block_size=4, n_layer=1, n_head=1, n_embd=8), 1, None, "cuda")
+
+
 def test_torchao_module_is_the_base_linear_converted() -> None:
     import torch
     from torch import nn
