@@ -108,6 +108,8 @@ GPT_SIZES = {
     ),
 }
 GPT_STEPS = (3, 15)  # warm-up, timed
+GPT_CHOICES = {"small": list(GPT_SIZES)[:1], "large": list(GPT_SIZES)[1:], "all": list(GPT_SIZES)}
+"""``--gpt``'s values and the :data:`GPT_SIZES` each runs."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,12 +397,13 @@ GPT_VARIANTS = (  # (name, recipe, mode of gpt_training_step, the bf16 variant i
 )
 
 
-def gpt_section(quick: bool, budget: Budget) -> dict[str, Any]:
-    """``{size: {variant: {"tokens/s", "peak GiB", "vs bf16"}}}`` (bf16 = the same model with
-    FP8 off: ``torch.autocast`` bf16 only; a compiled variant is compared with compiled bf16)."""
-    sizes = dict(list(GPT_SIZES.items())[:1]) if quick else GPT_SIZES
+def gpt_section(sizes: list[str], budget: Budget) -> dict[str, Any]:
+    """``{size: {variant: {"tokens/s", "peak GiB", "vs bf16"}}}`` for the :data:`GPT_SIZES`
+    named in ``sizes`` (bf16 = the same model with FP8 off: ``torch.autocast`` bf16 only; a
+    graphed or compiled variant is compared with bf16 run the same way)."""
     rows: dict[str, Any] = {}
-    for size, (config, batch) in sizes.items():
+    for size in sizes:
+        config, batch = GPT_SIZES[size]
         row: dict[str, Any] = {}
         for variant, recipe, mode, _ in GPT_VARIANTS:
             if budget.spent():
@@ -496,6 +499,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quick", action="store_true", help="three Linear shapes and the small GPT only"
     )
     parser.add_argument(
+        "--gpt",
+        choices=tuple(GPT_CHOICES),
+        default=None,
+        help="GPT sizes to time (default: all, small with --quick)",
+    )
+    parser.add_argument(
         "--budget-scale",
         type=float,
         default=1.0,
@@ -508,6 +517,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(str(exc))
     if not args.budget_scale > 0:
         parser.error(f"--budget-scale must be > 0, got {args.budget_scale}")
+    args.gpt_sizes = GPT_CHOICES[args.gpt or ("small" if args.quick else "all")]
     return args
 
 
@@ -528,7 +538,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tiny": tiny_section,
         "syncs": sync_section,
         "cast": cast_section,
-        "gpt": lambda b: gpt_section(args.quick, b),
+        "gpt": lambda b: gpt_section(args.gpt_sizes, b),
     }
     for name in args.sections:
         start = time.perf_counter()

@@ -7,7 +7,9 @@
 #    python3 -m pytest -v tests/torch (at most $TEST_TIMEOUT s, default 330), without the
 #    Triton-interpreter tests: the GPU runs the compiled kernels, and Triton 3.6's interpreter
 #    fails under numpy >= 2.4 (int() of a 1-element array);
-# 3. bench: python3 -m benchmarks.gpu --only linear,tiny,syncs,cast,gpt --out $OUT/gpu.json;
+# 3. bench: python3 -m benchmarks.gpu --only linear,tiny,syncs,cast,gpt --out $OUT/gpu.json
+#    (options given after the mode come later and win: "bench --only gpt --gpt large" times
+#    the 607M GPT alone);
 #    bench-sub: the JAX / Keras / kernel sub-benchmarks (--only sub --out $OUT/gpu-sub.json).
 # Logs go to $OUT (./gpu-out without it): tests.log, bench.log, gpu.txt. One device call runs at
 # most 10 minutes: run "tests", "bench" and "bench-sub" as three calls, or "all" with --quick.

@@ -93,6 +93,19 @@ def test_bench_gpu_rejects_unknown_sections(capsys: pytest.CaptureFixture[str]) 
     assert parse_args(["--only", "cast"]).sections == ["cast"]
 
 
+def test_bench_gpu_picks_the_gpt_sizes(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.gpu import GPT_SIZES, parse_args
+
+    small, large = GPT_SIZES
+    assert parse_args([]).gpt_sizes == [small, large]
+    assert parse_args(["--quick"]).gpt_sizes == [small]
+    assert parse_args(["--quick", "--gpt", "large"]).gpt_sizes == [large]
+    assert parse_args(["--gpt", "all"]).gpt_sizes == [small, large]
+    with pytest.raises(SystemExit):
+        parse_args(["--gpt", "huge"])
+    assert "--gpt: invalid choice: 'huge'" in capsys.readouterr().err
+
+
 def test_budget_runs_out_on_its_clock() -> None:
     from benchmarks.gpu_common import Budget
 
