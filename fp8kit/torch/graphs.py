@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from fp8kit.torch.autocast import (
@@ -276,31 +276,15 @@ class _Replay:
                 register_forward_state(e.state, e.recipe, e.group)
         if not (grad and self.backward):
             return out
-        leaves, spec = tree_flatten(out)
-        marked = [
-            i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
-        if marked:
-            for i, t in zip(
-                marked,
-                _EnrolInBackward.apply(self.backward, *(leaves[i] for i in marked)),
-                strict=True,
-            ):
-                leaves[i] = t
-        return tree_unflatten(leaves, spec)
+        # The replay runs no Python in backward: a hook on each output that takes a gradient
+        # enrols the backward states when the gradient reaches it (idempotent per state).
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._enrol_backward)
+        return out
 
-
-class _EnrolInBackward(torch.autograd.Function):
-    """Identity whose backward enrols the graphed module's backward states (the graph's replay
-    runs no Python)."""
-
-    @staticmethod
-    def forward(ctx: Any, enrolments: tuple[Enrolment, ...], *tensors: torch.Tensor) -> Any:  # type: ignore[override]
-        ctx.enrolments = enrolments
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
-        for e in ctx.enrolments:
+    def _enrol_backward(self, grad: torch.Tensor) -> None:
+        """Tensor hook: queue the capture's backward states for this backward pass's update
+        event; the gradient passes unchanged."""
+        for e in self.backward:
             schedule_backward_update(e.state, e.recipe, e.group)
-        return (None, *grads)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fp8kit.torch.autocast import recording_enrolments
 
@@ -22,24 +23,33 @@ __all__ = ["emulated_make_graphed_callables"]
 
 
 class _EmulatedGraph(torch.autograd.Function):
-    """Forward and backward of ``fn`` with fp8kit's host work dropped, as a graph replay."""
+    """Forward and backward of ``fn`` with fp8kit's host work dropped, as a graph replay; the
+    outputs leave flat (the tensors of ``fn``'s output pytree), as torch's graphed function's."""
 
     @staticmethod
-    def forward(ctx: Any, fn: Callable[..., torch.Tensor], n_args: int, *flat: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, fn: Callable[..., Any], n_args: int, *flat: torch.Tensor) -> Any:  # type: ignore[override]
         args, params = flat[:n_args], flat[n_args:]
         with torch.enable_grad(), recording_enrolments():
             inputs = [a.detach().requires_grad_(a.requires_grad) for a in args]
-            out = fn(*inputs)
-        ctx.saved = (inputs, params, out)
-        return out.detach()
+            outs = tree_flatten(fn(*inputs))[0]
+        ctx.saved = (inputs, params, outs)
+        return tuple(o.detach() for o in outs)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
-        inputs, params, out = ctx.saved
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:  # type: ignore[override]
+        inputs, params, outs = ctx.saved
+        taken = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None]
         wanted = [t for t in (*inputs, *params) if t.requires_grad]
         with recording_enrolments():
-            grads = iter(torch.autograd.grad(out, wanted, grad))
-        return (None, None, *(next(grads) if t.requires_grad else None for t in (*inputs, *params)))
+            found = torch.autograd.grad(
+                [o for o, _ in taken], wanted, [g for _, g in taken], allow_unused=True
+            )
+        grads_in = iter(found)
+        return (
+            None,
+            None,
+            *(next(grads_in) if t.requires_grad else None for t in (*inputs, *params)),
+        )
 
 
 def emulated_make_graphed_callables(
@@ -49,16 +59,19 @@ def emulated_make_graphed_callables(
     allow_unused_input: bool = False,
     pool: Any = None,
 ) -> tuple[torch.nn.Module, ...]:
-    """``torch.cuda.make_graphed_callables`` in its tuple form (modules with one output)."""
+    """``torch.cuda.make_graphed_callables`` in its tuple form (outputs: a tensor or a pytree of
+    tensors, every one differentiable)."""
     for module, args in zip(callables, sample_args, strict=True):
         params = tuple(p for p in module.parameters() if p.requires_grad)
         for _ in range(num_warmup_iters):  # as torch: forward and a backward with ones
-            out = module(*args)
-            torch.autograd.grad(out, params, torch.ones_like(out))
+            outs, spec = tree_flatten(module(*args))
+            torch.autograd.grad(outs, params, [torch.ones_like(o) for o in outs], allow_unused=True)
         eager = module.forward
 
-        def replay(*a: torch.Tensor, fn: Callable[..., Any] = eager, ps: Any = params) -> Any:
-            return _EmulatedGraph.apply(fn, len(a), *a, *ps)
+        def replay(
+            *a: torch.Tensor, fn: Callable[..., Any] = eager, ps: Any = params, spec: Any = spec
+        ) -> Any:
+            return tree_unflatten(list(_EmulatedGraph.apply(fn, len(a), *a, *ps)), spec)
 
         module.forward = replay
     return callables

@@ -73,6 +73,38 @@ def _head() -> torch.nn.Module:
     return torch.nn.Linear(32, 16)
 
 
+class _TwoHeads(torch.nn.Module):
+    """Two FP8 Linears on one input, their outputs in a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = f8.Linear(32, 16), f8.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"a": self.a(x), "b": self.b(x)}
+
+
+def test_a_gradient_through_any_output_enrols_the_backward_states(emulated_graphs: None) -> None:
+    """Outputs in a pytree, the loss on the second only: the replay's backward enrolment still
+    runs the backward event for the graphed module's states, as eager."""
+    eager, graphed = _TwoHeads(), _TwoHeads()
+    f8.make_graphed_callables(graphed, (torch.randn(8, 32),), fp8_enabled=True, fp8_recipe=RECIPE)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(8, 32, generator=gen)
+        for model in (eager, graphed):
+            with f8.autocast(recipe=RECIPE):
+                out = model(x)
+            out["b"].square().mean().backward()
+    for (k, a), b in zip(eager.state_dict().items(), graphed.state_dict().values(), strict=True):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), k
+    assert graphed.b.fp8_meta.backward.update_count.tolist() == [3, 0]
+    assert graphed.a.fp8_meta.backward.update_count.tolist() == [0, 0]
+    assert torch.equal(graphed.b.weight.grad, eager.b.weight.grad)
+
+
 def test_later_fp8_modules_do_not_move_the_graphed_buffers(emulated_graphs: None) -> None:
     graphed = _block()
     f8.make_graphed_callables(graphed, (torch.randn(8, 32),), fp8_enabled=True, fp8_recipe=RECIPE)
