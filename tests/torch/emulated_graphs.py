@@ -1,7 +1,8 @@
 """A CPU stand-in for ``torch.cuda.make_graphed_callables`` (tests of CUDA-graphed FP8 modules).
 
 A CUDA graph replays kernels and none of our Python. The stand-in has that property: warm-up
-runs as torch's (forward, and a backward with ones that leaves ``.grad`` alone), then every
+runs as torch's (forward, and a backward that leaves ``.grad`` alone; torch's output gradients
+are uninitialised memory, the stand-in's ones), then every
 "replay" runs the module's kernels with all fp8kit host work (enrolments, update events)
 recorded and dropped, forward and backward. What makes graphed FP8 modules train with the
 numbers of eager ones is then fp8kit's own wrapper (docs/decisions/0234-cuda-graphs.md).
@@ -63,7 +64,7 @@ def emulated_make_graphed_callables(
     tensors, every one differentiable)."""
     for module, args in zip(callables, sample_args, strict=True):
         params = tuple(p for p in module.parameters() if p.requires_grad)
-        for _ in range(num_warmup_iters):  # as torch: forward and a backward with ones
+        for _ in range(num_warmup_iters):  # as torch: forward and a backward (with ones here)
             outs, spec = tree_flatten(module(*args))
             torch.autograd.grad(outs, params, [torch.ones_like(o) for o in outs], allow_unused=True)
         eager = module.forward
