@@ -102,6 +102,31 @@ def test_anything_triton_specialises_on_is_a_new_key(change: str) -> None:
     assert _kinds(kernel) == ["jit", "jit", "kept"]
 
 
+@pytest.mark.skipif(not triton_launch.fast_launch_enabled(), reason="FP8KIT_TRITON_FAST_LAUNCH=0")
+def test_fresh_tensors_of_the_same_kind_reuse_the_launcher() -> None:
+    """A step's outputs are new tensors at new addresses: same dtype and alignment, same key."""
+    kernel = _Kernel()
+    for _ in range(3):
+        x, out = torch.zeros(64), torch.empty(64, dtype=torch.bfloat16)
+        triton_launch.launch(kernel, (2,), (x, out, 64, 0.5, False))
+    assert _kinds(kernel) == ["jit", "kept", "kept"]
+
+
+@pytest.mark.skipif(not triton_launch.fast_launch_enabled(), reason="FP8KIT_TRITON_FAST_LAUNCH=0")
+def test_arguments_other_than_tensors_and_scalars_key_by_their_value() -> None:
+    """The general form of the key (any other object is its own part) gives the tensors' parts
+    as the fast form does, and tells other objects' values apart."""
+    x = torch.zeros(8)
+    fast = triton_launch.launch_key("k", (1,), (x, 8, True), {})
+    general = triton_launch.launch_key("k", (1,), (x, 8, True, None), {})
+    assert general[:-1] == fast and general[-1] is None
+    assert fast[4] == (torch.float32, x.data_ptr() % 16 == 0)
+    kernel = _Kernel()
+    for value in ("a", "a", "b"):
+        triton_launch.launch(kernel, (1,), (x, value))
+    assert _kinds(kernel) == ["jit", "kept", "jit"]
+
+
 def test_a_kernel_that_returns_no_compiled_kernel_stays_on_the_plain_path() -> None:
     """The interpreter's launch returns None: every launch of that key goes through Triton."""
     kernel = _Kernel(compiled=False)

@@ -9,8 +9,10 @@ microseconds on the device. A launch site that sees the same kinds of argument a
 kernel's launcher per key and calls it directly.
 
 The key is finer than Triton's specialisation, so a hit never runs a kernel compiled under other
-assumptions: the grid, the options, each tensor's dtype, device and whether its address is a
-multiple of 16, and every other argument's value (a new size is a new key). A first launch
+assumptions: the grid, the options, the device of the first tensor argument (a launch's tensors
+share one device, the one its kernel runs on), each tensor's dtype and whether its address is a
+multiple of 16, and every other argument's value (a new size is a new key). Building it costs
+a few microseconds per launch (docs/decisions/0255-graphed-gpt-benchmark.md). A first launch
 whose result is not a compiled kernel (the interpreter's, ``TRITON_INTERPRET=1``) keeps that key
 on the plain path. A kept launcher that raises (a Triton release whose launchers take other
 arguments) turns the cache off for the process with one :class:`NativeKernelWarning`, and that
@@ -27,7 +29,7 @@ import torch
 
 from fp8kit.torch.kernels._native import NativeKernelWarning, env_flag
 
-__all__ = ["MAX_ENTRIES", "clear", "fast_launch_enabled", "launch"]
+__all__ = ["MAX_ENTRIES", "clear", "fast_launch_enabled", "launch", "launch_key"]
 
 MAX_ENTRIES = 4096
 """Launchers kept before the cache starts over (a new size is a new key)."""
@@ -48,10 +50,39 @@ def clear() -> None:
     _launchers.clear()
 
 
+# Python scalars are most of a launch's arguments; a set test of their class is several times
+# cheaper than isinstance(arg, torch.Tensor), whose metaclass check costs about 0.1 us.
+_SCALARS = frozenset((int, bool, float))
+
+
 def _argument_key(arg: object) -> Hashable:
+    """A non-scalar argument's part of the key: a tensor's dtype and 16-byte alignment, any
+    other object itself."""
     if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.get_device(), arg.data_ptr() % 16 == 0)
-    return arg  # ints, bools and floats: their values
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    return arg
+
+
+def _device(args: Sequence[object]) -> int:
+    """The device index of the first tensor in ``args`` (-1 for a CPU tensor or none)."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.get_device()
+    return -1
+
+
+def launch_key(
+    kernel: Any, grid: tuple[int, ...], args: Sequence[object], options: dict[str, object]
+) -> Hashable:
+    """The key :func:`launch` keeps a launcher under (see the module docstring)."""
+    head = (kernel, grid, tuple(options.items()), _device(args))
+    try:  # the arguments of fp8kit's launches: Python scalars and tensors, inline
+        return (
+            *head,
+            *[a if a.__class__ in _SCALARS else (a.dtype, a.data_ptr() % 16 == 0) for a in args],
+        )
+    except AttributeError:  # another kind of argument: the general form, same parts
+        return (*head, *map(_argument_key, args))
 
 
 def launch(kernel: Any, grid: tuple[int, ...], args: Sequence[object], **options: object) -> None:
@@ -67,7 +98,7 @@ def launch(kernel: Any, grid: tuple[int, ...], args: Sequence[object], **options
     if not _enabled:
         kernel[grid](*args, **options)
         return
-    key = (kernel, grid, tuple(options.items()), *map(_argument_key, args))
+    key = launch_key(kernel, grid, args, options)
     launcher = _launchers.get(key, _UNSEEN)
     if launcher is _UNSEEN:
         compiled = kernel[grid](*args, **options)
