@@ -92,7 +92,8 @@ def launch(kernel: Any, grid: tuple[int, ...], args: Sequence[object], **options
         kernel: a ``triton.jit`` function.
         grid: program counts, 1 to 3 ints.
         args: every kernel parameter in order, the ``tl.constexpr`` ones included (what the
-            compiled kernel's launcher takes).
+            compiled kernel's launcher takes): tensors, all on the device the kernel runs on,
+            and Python scalars.
         options: launch options (``num_warps``, ``enable_fp_fusion``...), the same at a call site.
     """
     if not _enabled:
