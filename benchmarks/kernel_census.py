@@ -27,7 +27,6 @@ from fp8kit.torch.kernels import triton_cast
 
 try:  # optional dependency, as in fp8kit.torch.kernels.triton_cast
     import triton
-    from triton.backends.compiler import GPUTarget
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
 _PTX_OP = re.compile(r"^\s*(?:@%p\d+\s+)?([a-z]+\.[\w.]+)", re.M)
@@ -46,8 +45,7 @@ def compile_sm90(
     warps: int,
 ) -> dict[str, Any]:
     """Triton's ``asm`` dict of ``fn`` for sm_90 (:func:`triton_cast.compile_for_target`)."""
-    target = GPUTarget("cuda", 90, 32)
-    return triton_cast.compile_for_target(fn, target, signature, consts, aligned, warps)
+    return triton_cast.compile_for_target(fn, (9, 0), signature, consts, aligned, warps)
 
 
 def ptx_ops(ptx: str) -> list[str]:

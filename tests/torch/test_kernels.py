@@ -1620,10 +1620,8 @@ def test_triton_hardware_conversion_variant_wiring_under_interpreter() -> None:
 def use_triton_conversion(conversion: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the Triton casts on this CUDA device convert with ``conversion`` ("hardware":
     ``cvt.rn.satfinite``, sm_89+; "software": integer arithmetic) until the test ends."""
-    capability = torch.cuda.get_device_capability()
-    if conversion == "hardware" and not (
-        capability >= (8, 9) and triton_cast._hardware_conversion_lowers(capability)
-    ):
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if conversion == "hardware" and not triton_cast._hardware_conversion_possible(props):
         pytest.skip("no one-rounding FP8 conversion for this GPU with this Triton (ADR 0253)")
     device = torch.device("cuda", torch.cuda.current_device())
     triton_cast._device_facts(torch.empty(0, device=device))  # the device's default entry
@@ -1687,7 +1685,6 @@ def test_hardware_conversion_is_used_where_triton_lowers_it_in_one_rounding() ->
         dbias_ptr="*fp32", m="i32", n="i32", tiles_per_program="i32", n_partials="i32",
     )  # fmt: skip
     for capability in ((8, 9), (9, 0)):
-        target = triton_cast.GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
         kernel_direct = True
         for fmt_id in (0, 1):
             consts = dict(
@@ -1695,7 +1692,7 @@ def test_hardware_conversion_is_used_where_triton_lowers_it_in_one_rounding() ->
                 EVEN=True, BM=64, BN=64, P_BLOCK=16,
             )  # fmt: skip
             asm = triton_cast.compile_for_target(
-                triton_cast._cast_2d_kernel, target, {**sig, **consts}, consts, warps=4
+                triton_cast._cast_2d_kernel, capability, {**sig, **consts}, consts, warps=4
             )
             kernel_direct &= triton_cast.converts_in_one_rounding(asm["ptx"], fmt_id)
         assert triton_cast._hardware_conversion_lowers(capability) == kernel_direct, capability

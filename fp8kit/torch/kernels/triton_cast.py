@@ -445,17 +445,18 @@ if triton is not None:
 
 def compile_for_target(
     fn: Any,
-    target: Any,
+    capability: tuple[int, int],
     signature: dict[str, str],
     consts: dict[str, object],
     aligned: tuple[str, ...] = (),
     warps: int = _WARPS_1D,
 ) -> dict[str, Any]:
-    """Triton's ``asm`` dict (``ptx``, ``cubin``...) of kernel ``fn`` compiled for ``target``
-    (a ``GPUTarget``) without launching it (no GPU needed): ``signature`` maps every parameter to
-    its Triton type (``"*bf16"``, ``"i32"``), ``consts`` the constexpr ones to their values, and
-    the parameters in ``aligned`` are specialised as multiples of 16, as a launch with aligned
-    tensors is. Works with the Triton releases fp8kit supports (3.2 took ``constants=``)."""
+    """Triton's ``asm`` dict (``ptx``, ``cubin``...) of kernel ``fn`` compiled for a CUDA GPU of
+    ``capability`` (``(9, 0)``: sm_90) without launching it (no GPU needed): ``signature`` maps
+    every parameter to its Triton type (``"*bf16"``, ``"i32"``), ``consts`` the constexpr ones
+    to their values, and the parameters in ``aligned`` are specialised as multiples of 16, as a
+    launch with aligned tensors is. Works with the Triton releases fp8kit supports (3.2 took
+    ``constants=``)."""
     names = list(fn.arg_names)
     full = {k: ("constexpr" if k in consts else v) for k, v in signature.items()}
     try:
@@ -464,6 +465,7 @@ def compile_for_target(
     except TypeError:  # Triton 3.2: constants=, and the hints as an AttrsDescriptor
         hints = AttrsDescriptor.from_hints({names.index(a): 16 for a in aligned})
         source = ASTSource(fn=fn, signature=full, constants=consts, attrs=hints)
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     options = {"num_warps": warps, "enable_fp_fusion": False}
     return triton.compile(source, target=target, options=options).asm
 
@@ -479,7 +481,6 @@ def _hardware_conversion_lowers(capability: tuple[int, int]) -> bool:
     """Whether this Triton compiles the casts' hardware conversion for a GPU of ``capability``
     to the direct instruction, for both formats (compiled once per capability; a compile error
     counts as no)."""
-    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     signature = dict(
         x_ptr="*fp32", scale_ptr="*fp32", count_ptr="*i64", partial_ptr="*fp32",
         out_ptr="*fp8e4nv", amax_ptr="*fp32", scale_inv_ptr="*fp32", n="i32", n_partials="i32",
@@ -487,12 +488,10 @@ def _hardware_conversion_lowers(capability: tuple[int, int]) -> bool:
     for fmt_id in _DIRECT_CVT:
         consts = dict(FMT=fmt_id, IN=0, MODE=0, POW2=False, HW=True, BLOCK=_BLOCK_1D, P_BLOCK=16)
         try:
-            ptx = compile_for_target(_cast_1d_kernel, target, {**signature, **consts}, consts)[
-                "ptx"
-            ]
+            asm = compile_for_target(_cast_1d_kernel, capability, {**signature, **consts}, consts)
         except Exception:
             return False
-        if not converts_in_one_rounding(ptx, fmt_id):
+        if not converts_in_one_rounding(asm["ptx"], fmt_id):
             return False
     return True
 
