@@ -1,4 +1,5 @@
-"""A CPU stand-in for ``torch.cuda.make_graphed_callables`` (tests of CUDA-graphed FP8 modules).
+"""A CPU stand-in for ``torch.cuda.make_graphed_callables`` (tests of CUDA-graphed FP8 modules),
+and the state comparison those tests make.
 
 A CUDA graph replays kernels and none of our Python. The stand-in has that property: warm-up
 runs as torch's (forward, and a backward that leaves ``.grad`` alone; torch's output gradients
@@ -20,7 +21,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fp8kit.torch.autocast import recording_enrolments
 
-__all__ = ["emulated_make_graphed_callables"]
+__all__ = ["assert_same_state", "emulated_make_graphed_callables"]
 
 
 class _EmulatedGraph(torch.autograd.Function):
@@ -76,3 +77,11 @@ def emulated_make_graphed_callables(
 
         module.forward = replay
     return callables
+
+
+def assert_same_state(eager: torch.nn.Module, graphed: torch.nn.Module) -> None:
+    """Every tensor of ``graphed``'s state dict (parameters, FP8 buffers) equals ``eager``'s bit
+    for bit, key by key."""
+    for (k, a), b in zip(eager.state_dict().items(), graphed.state_dict().values(), strict=True):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), k

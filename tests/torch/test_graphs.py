@@ -17,6 +17,7 @@ import fp8kit.torch as f8
 from benchmarks.gpu_measure import gpt_training_step
 from fp8kit.demo.model import GPTConfig
 from fp8kit.recipe import DelayedScaling
+from tests.torch.emulated_graphs import assert_same_state
 
 RECIPE = DelayedScaling(amax_history_len=4)
 
@@ -59,9 +60,7 @@ def test_graphed_modules_train_like_eager(emulated_graphs: None) -> None:
             ys.append(_step(model, head, x))
             opt.step()
         assert torch.equal(ys[0], ys[1])
-    for (k, a), b in zip(eager.state_dict().items(), graphed.state_dict().values(), strict=True):
-        if isinstance(a, torch.Tensor):
-            assert torch.equal(a, b), k
+    assert_same_state(eager, graphed)
     assert graphed[2].fp8_meta.forward.update_count.tolist() == [4, 4, 0]
     assert graphed[2].fp8_meta.backward.update_count.tolist() == [4, 4]
 
@@ -97,9 +96,7 @@ def test_a_gradient_through_any_output_enrols_the_backward_states(emulated_graph
             with f8.autocast(recipe=RECIPE):
                 out = model(x)
             out["b"].square().mean().backward()
-    for (k, a), b in zip(eager.state_dict().items(), graphed.state_dict().values(), strict=True):
-        if isinstance(a, torch.Tensor):
-            assert torch.equal(a, b), k
+    assert_same_state(eager, graphed)
     assert graphed.b.fp8_meta.backward.update_count.tolist() == [3, 0]
     assert graphed.a.fp8_meta.backward.update_count.tolist() == [0, 0]
     assert torch.equal(graphed.b.weight.grad, eager.b.weight.grad)
@@ -174,9 +171,7 @@ def test_a_graphed_calibration_rolls_forward_scales_without_grad(emulated_graphs
                 outs.append(model(x))
         assert torch.equal(*outs)
     assert graphed[0].fp8_meta.forward.update_count.tolist() == [3, 3, 0]
-    for (k, a), b in zip(eager.state_dict().items(), graphed.state_dict().values(), strict=True):
-        if isinstance(a, torch.Tensor):
-            assert torch.equal(a, b), k
+    assert_same_state(eager, graphed)
 
 
 @pytest.mark.parametrize(
@@ -239,9 +234,7 @@ def test_real_cuda_graphs_train_like_eager() -> None:
         x = torch.randn(64, 32, device=device, generator=gen)
         ys = [_step(m, h, x) for m, h in zip((eager, graphed), heads, strict=True)]
         assert torch.equal(ys[0], ys[1])
-    for (k, a), b in zip(eager.state_dict().items(), graphed.state_dict().values(), strict=True):
-        if isinstance(a, torch.Tensor):
-            assert torch.equal(a, b), k
+    assert_same_state(eager, graphed)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
