@@ -9,6 +9,7 @@ BENCHMARKS = (
     "bench_quantize",
     "bench_dequantize",
     "bench_small_gemm",
+    "bench_inspect",
     "bench_training",
     "bench_update",
     "bench_host",

@@ -6,7 +6,9 @@ import pytest
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["bench_update", "bench_memory", "bench_host", "bench_small_gemm"])
+@pytest.mark.parametrize(
+    "name", ["bench_update", "bench_memory", "bench_host", "bench_small_gemm", "bench_inspect"]
+)
 def test_benchmark_smoke(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     import importlib
 

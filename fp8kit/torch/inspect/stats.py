@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fp8kit.torch import kernels
 from fp8kit.torch.quantization import Float8Tensor
 
 __all__ = ["FIELDS", "CastTotals", "cast_statistics", "combine", "snr_db"]
@@ -47,23 +48,15 @@ def cast_statistics(
     ``deq(q)`` is computed in float32 (as ``Float8Tensor.dequantize()``); the differences,
     squares and sums in float64: relative error ~1e-16 per operation, and no finite input
     overflows (float32's largest square, ~1.2e77, is far inside float64's range). Everything
-    else is exact. The float64 copies cost memory on sampled steps only (docs/decisions/0402).
+    else is exact. The counts and energies come from :func:`fp8kit.torch.kernels.cast_error_sums`:
+    one native pass over ``x`` and ``q`` on the CPU, torch ops (float32 and float64
+    temporaries) elsewhere (docs/decisions/0256-native-cast-error-sums.md).
     """
     with torch.no_grad():
-        xf = x.detach().to(torch.float32)
-        s = scale.reshape(()).to(torch.float32)
-        saturated = (xf.abs().mul_(s) > fmax).sum()  # |x| * s == |x * s| in float32
-        qf = q.data.to(torch.float32)
-        flushed = ((xf != 0) & (qf == 0)).sum()
-        finite = torch.isfinite(xf)
-        signal_part = torch.where(finite, xf, 0.0).to(torch.float64)
-        # deq(q) in float32, as Float8Tensor.dequantize() computes it: an exact cast has no noise.
-        deq = torch.where(finite, qf.mul_(q.scale_inv.reshape(()).to(torch.float32)), 0.0)
-        signal = signal_part.square().sum()
-        noise = signal_part.sub_(deq.to(torch.float64)).square_().sum()
+        sums = kernels.cast_error_sums(x.detach(), q.data, scale.reshape(()), q.scale_inv, fmax)
         amax = q.amax if q.amax is not None else torch.zeros((), device=x.device)
-        parts = (amax, s, saturated, flushed, signal, noise)
-        return torch.stack([p.reshape(()).to(torch.float64) for p in parts])
+        head = torch.stack([amax.reshape(()), scale.reshape(())]).to(torch.float64)
+        return torch.cat([head, sums])
 
 
 class CastTotals:

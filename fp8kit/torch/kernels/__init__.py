@@ -1,6 +1,6 @@
 """FP8 kernels for PyTorch: casts (with transpose, amax, scale_inv and dbias in one read of the
 input), current scaling, the delayed-scaling update event, the amax pass, dequantization, the
-CPU GEMM's epilogue and a one-call small FP8 GEMM.
+CPU GEMM's epilogue, a one-call small FP8 GEMM and a cast's error sums (the inspector's).
 
 The API lives in :mod:`.dispatch`, which picks a backend per call:
 
@@ -41,6 +41,7 @@ from fp8kit.torch.kernels._native import (
 from fp8kit.torch.kernels.dispatch import (
     BACKENDS,
     backend_for,
+    cast_error_sums,
     cast_fp8,
     cast_fp8_current,
     cast_to_fp8_transpose,
@@ -67,6 +68,7 @@ __all__ = [
     "NativeKernelWarning",
     "backend_for",
     "cache_dir",
+    "cast_error_sums",
     "cast_fp8",
     "cast_fp8_current",
     "cast_to_fp8_transpose",

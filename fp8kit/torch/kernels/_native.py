@@ -162,6 +162,9 @@ class _Lib:
             *(i64, i64, i64, vp, vp, vp, i32, vp, i32, i32),  # m, n, k, scales, bias, out, isa
         ]
         self.small_gemm.restype = i32
+        self.cast_error_sums = lib.fp8kit_cast_error_sums
+        self.cast_error_sums.argtypes = [vp, i32, vp, i32, i64, vp, vp, f32, i32, vp]
+        self.cast_error_sums.restype = i32
         self.best_isa = lib.fp8kit_best_isa
         self.best_isa.argtypes = []
         self.best_isa.restype = i32

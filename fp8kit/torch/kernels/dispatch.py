@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -39,6 +40,7 @@ from fp8kit.torch.kernels._common import (
 from fp8kit.torch.kernels._native import (
     NativeKernelWarning,
     load_native,
+    native_available,
     native_cast_transpose,
 )
 
@@ -46,6 +48,7 @@ __all__ = [
     "BACKENDS",
     "CastResult",
     "backend_for",
+    "cast_error_sums",
     "cast_fp8",
     "cast_fp8_current",
     "cast_to_fp8_transpose",
@@ -807,6 +810,81 @@ def small_fp8_gemm_unchecked(
         b = b.t() if b_transposed else b
         return native_ops.small_fp8_gemm_op(a, b, a_scale, b_scale, out_dtype, bias)
     return native.small_fp8_gemm(a, b, a_scale, b_scale, out_dtype, bias, b_transposed=b_transposed)
+
+
+def cast_error_sums(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fmax: float,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """How far one FP8 cast is from its input, in one read of both (the numerics inspector's
+    statistics, :mod:`fp8kit.torch.inspect.stats`).
+
+    Returns the float64 vector ``(saturated, flushed, signal, noise)``:
+
+    - ``saturated = count(|float32(x)| * scale > fmax)`` (a float32 multiply and compare: an
+      infinite ``x`` counts, NaN never does);
+    - ``flushed = count(x != 0 and float32(q) == 0)``;
+    - ``signal = sum x^2`` and ``noise = sum (x - float32(q) * scale_inv)^2`` over the finite
+      elements of ``x``: the dequantized value is one float32 multiply (as
+      ``Float8Tensor.dequantize()``), the differences, squares and sums are float64.
+
+    The counts are exact on every backend. The sums are float64 sums of the same terms in an order
+    of each backend's own, so backends agree to float64 rounding (relative 1e-12), not bit for
+    bit; a ``torch.compile`` graph runs the native kernel as the op ``fp8kit::cast_error_sums``,
+    so compiled and eager CPU numbers are the same bits
+    (docs/decisions/0256-native-cast-error-sums.md).
+
+    Args:
+        x: the float32 / bfloat16 / float16 tensor that was cast, any shape and strides.
+        q: its FP8 cast (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``), ``x``'s shape and
+            device.
+        scale: float32 one-element tensor on ``x``'s device, the scale the cast multiplied by.
+        scale_inv: float32 one-element tensor on ``x``'s device, the dequantization factor.
+        fmax: the FP8 format's largest finite value (a positive finite number).
+        backend: None (automatic: native on the CPU, torch ops elsewhere), ``"native"`` or
+            ``"reference"``.
+
+    Returns:
+        float64 ``(4,)`` tensor on ``x``'s device. CPU: one native call, one ``aten::empty``.
+    """
+    if not (isinstance(x, torch.Tensor) and x.dtype in INPUT_DTYPES):
+        raise TypeError(
+            f"x must be a torch.float32, torch.bfloat16 or torch.float16 tensor, got {_describe(x)}"
+        )
+    if not (
+        isinstance(q, torch.Tensor)
+        and q.dtype in _FP8_DTYPES
+        and q.shape == x.shape
+        and q.device == x.device
+    ):
+        raise TypeError(
+            f"q must be a torch.float8_e4m3fn or torch.float8_e5m2 tensor of x's shape "
+            f"{tuple(x.shape)} on x's device ({x.device}), got {_describe(q)}"
+        )
+    _check_one("scale", scale, _F32, x)
+    _check_one("scale_inv", scale_inv, _F32, x)
+    if isinstance(fmax, bool) or not isinstance(fmax, (int, float)) or not 0 < fmax < math.inf:
+        raise ValueError(f"fmax must be a positive finite number, got {fmax!r}")
+    fmax = float(fmax)
+    if backend not in (None, "native", "reference"):
+        raise ValueError(
+            f"cast_error_sums has no {backend!r} kernel: backend must be None, 'native' or "
+            "'reference'"
+        )
+    if backend == "native" and not x.is_cpu:
+        raise ValueError(f"backend='native' needs CPU tensors, got x on {x.device}")
+    if backend is None:
+        backend = "native" if x.is_cpu and native_available() else "reference"
+    if backend == "reference":
+        return reference.cast_error_sums(x, q, scale, scale_inv, fmax)
+    if torch.compiler.is_compiling():
+        return native_ops.cast_error_sums_op(x, q, scale, scale_inv, fmax)
+    return native.cast_error_sums(x, q, scale, scale_inv, fmax)
 
 
 def _dequant_native_ok(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> bool:

@@ -1309,6 +1309,162 @@ int64_t update_block(float* hist, int64_t L, int64_t N, int64_t j0, int64_t w, f
   return infinite;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Error sums of one cast, for the numerics inspector (docs/decisions/0256-native-cast-error-sums.md)
+// ---------------------------------------------------------------------------------------------
+//
+// For a high-precision x (n elements) and its FP8 cast q (same order), with the float32 scale s
+// the cast used and s_inv the dequantization factor, four numbers in one read of both:
+//   saturated = count(|float32(x)| * s > fmax)            float32 multiply and compare
+//   flushed   = count(x != 0 and float32(q) == 0)
+//   signal    = sum of x^2 over the finite x              float64 squares and sums
+//   noise     = sum of (x - float32(q) * s_inv)^2 over the finite x   (the product in float32)
+// The counts are exact. The sums add float64 terms in one fixed order, whatever the loop (scalar
+// or AVX2) and the thread count: x is cut into runs of kStatsChunk elements; in a run, element i
+// goes to lane i % kStatsLanes, each lane summed in order; a run's total is its lanes summed
+// from lane 0 up; the total is the runs' totals summed in order. (The torch reference sums in an
+// order of its own: the same terms, other last bits.)
+constexpr int64_t kStatsChunk = 4096;
+constexpr int64_t kStatsLanes = 8;
+
+struct ErrorSums {
+  int64_t saturated = 0;
+  int64_t flushed = 0;
+  double signal = 0.0;
+  double noise = 0.0;
+};
+
+// Per-lane partial sums of one run.
+struct LaneSums {
+  int64_t saturated = 0;
+  int64_t flushed = 0;
+  double signal[kStatsLanes] = {};
+  double noise[kStatsLanes] = {};
+};
+
+// Elements [i0, n) of a run into their lanes (the scalar loop, and the vector loops' tails).
+template <typename T>
+void error_sums_tail(const T* x, const uint8_t* q, int64_t i0, int64_t n, float s, float s_inv,
+                     float fmax, const float* lut, LaneSums& r) {
+  for (int64_t i = i0; i < n; ++i) {
+    const float v = load_f32(x + i);
+    const float d = lut[q[i]];
+    r.saturated += std::fabs(v) * s > fmax;
+    r.flushed += v != 0.0f && d == 0.0f;
+    if (std::isfinite(v)) {
+      const double e = static_cast<double>(v) - static_cast<double>(d * s_inv);
+      r.signal[i % kStatsLanes] += static_cast<double>(v) * static_cast<double>(v);
+      r.noise[i % kStatsLanes] += e * e;
+    }
+  }
+}
+
+#if FP8KIT_HAVE_X86
+// 8 elements into lanes 0-7: the low double vectors hold lanes 0-3, the high ones 4-7.
+template <typename T>
+FP8KIT_AVX2 inline void error_sums8_avx2(const T* x, __m256 d, __m256 vs, __m256 vs_inv,
+                                         __m256 vfmax, int64_t& saturated, int64_t& flushed,
+                                         __m256d* sig, __m256d* noise) {
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 v = load8(x);
+  const __m256 a = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
+  saturated += __builtin_popcount(
+      _mm256_movemask_ps(_mm256_cmp_ps(_mm256_mul_ps(a, vs), vfmax, _CMP_GT_OQ)));
+  const __m256 nonzero = _mm256_cmp_ps(v, zero, _CMP_NEQ_UQ);  // NaN != 0, as in C
+  flushed += __builtin_popcount(
+      _mm256_movemask_ps(_mm256_and_ps(nonzero, _mm256_cmp_ps(d, zero, _CMP_EQ_OQ))));
+  const __m256 finite = _mm256_cmp_ps(a, _mm256_set1_ps(INFINITY), _CMP_LT_OQ);
+  const __m256 xf = _mm256_and_ps(v, finite);  // non-finite elements add +0 to both sums
+  const __m256 df = _mm256_and_ps(_mm256_mul_ps(d, vs_inv), finite);
+  const __m256d x_lo = _mm256_cvtps_pd(_mm256_castps256_ps128(xf));
+  const __m256d x_hi = _mm256_cvtps_pd(_mm256_extractf128_ps(xf, 1));
+  const __m256d e_lo = _mm256_sub_pd(x_lo, _mm256_cvtps_pd(_mm256_castps256_ps128(df)));
+  const __m256d e_hi = _mm256_sub_pd(x_hi, _mm256_cvtps_pd(_mm256_extractf128_ps(df, 1)));
+  sig[0] = _mm256_add_pd(sig[0], _mm256_mul_pd(x_lo, x_lo));
+  sig[1] = _mm256_add_pd(sig[1], _mm256_mul_pd(x_hi, x_hi));
+  noise[0] = _mm256_add_pd(noise[0], _mm256_mul_pd(e_lo, e_lo));
+  noise[1] = _mm256_add_pd(noise[1], _mm256_mul_pd(e_hi, e_hi));
+}
+
+// The lanes of a run, 16 elements per step (the FP8 codes decoded as the dequantize kernel
+// does, exact: times 1), then the tail.
+template <typename T, int32_t kFmt>
+FP8KIT_AVX2 void error_sums_avx2(const T* x, const uint8_t* q, int64_t n, float s, float s_inv,
+                                 float fmax, const float* lut, LaneSums& r) {
+  static_assert(kStatsLanes == 8, "a half step is 8 float32 lanes");
+  const __m256 vs = _mm256_set1_ps(s), vs_inv = _mm256_set1_ps(s_inv);
+  const __m256 vfmax = _mm256_set1_ps(fmax), one = _mm256_set1_ps(1.0f);
+  __m256d sig[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()};
+  __m256d noise[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()};
+  int64_t saturated = 0, flushed = 0, i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256 d0, d1;
+    decode16_avx2<kFmt>(q + i, one, d0, d1);
+    error_sums8_avx2(x + i, d0, vs, vs_inv, vfmax, saturated, flushed, sig, noise);
+    error_sums8_avx2(x + i + 8, d1, vs, vs_inv, vfmax, saturated, flushed, sig, noise);
+  }
+  r.saturated += saturated;
+  r.flushed += flushed;
+  _mm256_storeu_pd(r.signal, sig[0]);
+  _mm256_storeu_pd(r.signal + 4, sig[1]);
+  _mm256_storeu_pd(r.noise, noise[0]);
+  _mm256_storeu_pd(r.noise + 4, noise[1]);
+  error_sums_tail(x, q, i, n, s, s_inv, fmax, lut, r);
+}
+#endif
+
+// One run (at most kStatsChunk elements) with the loop of instruction set `level`, its lanes
+// folded from lane 0 up.
+template <typename T>
+ErrorSums error_sums_run(const T* x, const uint8_t* q, int64_t n, float s, float s_inv,
+                         float fmax, int32_t fmt_id, int32_t level) {
+  const float* lut = decode_table(fmt_id);
+  LaneSums lanes;
+#if FP8KIT_HAVE_X86
+  if (level >= kIsaAvx2) {  // AVX-512 CPUs run the AVX2 loop (the bits are the same)
+    if (fmt_id == 0) {
+      error_sums_avx2<T, 0>(x, q, n, s, s_inv, fmax, lut, lanes);
+    } else {
+      error_sums_avx2<T, 1>(x, q, n, s, s_inv, fmax, lut, lanes);
+    }
+  } else {
+    error_sums_tail(x, q, 0, n, s, s_inv, fmax, lut, lanes);
+  }
+#else
+  error_sums_tail(x, q, 0, n, s, s_inv, fmax, lut, lanes);
+#endif
+  ErrorSums r;
+  r.saturated = lanes.saturated;
+  r.flushed = lanes.flushed;
+  for (int64_t j = 0; j < kStatsLanes; ++j) {
+    r.signal += lanes.signal[j];
+    r.noise += lanes.noise[j];
+  }
+  return r;
+}
+
+template <typename T>
+ErrorSums error_sums_impl(const T* x, const uint8_t* q, int64_t n, float s, float s_inv,
+                          float fmax, int32_t fmt_id, int32_t level) {
+  const int64_t chunks = (n + kStatsChunk - 1) / kStatsChunk;
+  std::vector<ErrorSums> parts(static_cast<size_t>(chunks));
+  at::parallel_for(int64_t{0}, chunks, kGrain / kStatsChunk, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t begin = c * kStatsChunk;
+      const int64_t len = std::min(kStatsChunk, n - begin);
+      parts[c] = error_sums_run(x + begin, q + begin, len, s, s_inv, fmax, fmt_id, level);
+    }
+  });
+  ErrorSums total;
+  for (const ErrorSums& p : parts) {
+    total.saturated += p.saturated;
+    total.flushed += p.flushed;
+    total.signal += p.signal;
+    total.noise += p.noise;
+  }
+  return total;
+}
+
 }  // namespace
 }  // namespace fp8kit_native
 
@@ -1543,6 +1699,34 @@ int32_t fp8kit_gemm_epilogue(const float* acc, int64_t m, int64_t n, const float
     } else {
       epilogue_impl(acc, m, n, s, bp, static_cast<f16_t*>(out));
     }
+  } catch (...) {
+    return kInternalError;
+  }
+  return kOk;
+}
+
+// out[0..3] = saturated count, flushed count, signal and noise (float64) of the FP8 cast q
+// (format q_fmt) of x (n elements of in_dtype), with the cast's scale *scale, dequantization
+// factor *scale_inv and the format's largest finite value fmax (see "Error sums of one cast");
+// isa as fp8kit_cast (every loop gives the same bits).
+int32_t fp8kit_cast_error_sums(const void* x, int32_t in_dtype, const uint8_t* q, int32_t q_fmt,
+                               int64_t n, const float* scale, const float* scale_inv, float fmax,
+                               int32_t isa, double* out) {
+  using namespace fp8kit_native;
+  int32_t level = 0;
+  Fmt fmt;
+  const int32_t status = prepare(in_dtype, q_fmt, isa, &level, &fmt);
+  if (status != kOk) return status;
+  if (n < 0) return kBadShape;
+  try {
+    ErrorSums r;
+    dispatch_input(x, in_dtype, [&](auto* src) {
+      r = error_sums_impl(src, q, n, *scale, *scale_inv, fmax, q_fmt, level);
+    });
+    out[0] = static_cast<double>(r.saturated);
+    out[1] = static_cast<double>(r.flushed);
+    out[2] = r.signal;
+    out[3] = r.noise;
   } catch (...) {
     return kInternalError;
   }

@@ -35,6 +35,7 @@ __all__ = [
     "amax",
     "cast",
     "cast_current",
+    "cast_error_sums",
     "delayed_update",
     "dequantize",
     "gemm_epilogue",
@@ -380,4 +381,33 @@ def small_fp8_gemm(
     )
     if status:
         _raise_status(status, "fp8kit native small_fp8_gemm")
+    return out
+
+
+def cast_error_sums(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    fmax: float,
+    isa: int = ISA_AUTO,
+) -> torch.Tensor:
+    """:func:`fp8kit.torch.kernels.cast_error_sums` in one native call (``isa`` forces a loop,
+    for the tests: every loop gives the same bits)."""
+    x, q = dense(x), dense(q)
+    out = torch.empty(4, dtype=torch.float64)
+    status = load_native().cast_error_sums(
+        x.data_ptr(),
+        _IN_IDS[x.dtype],
+        q.data_ptr(),
+        _FP8_FMT_IDS[q.dtype],
+        x.numel(),
+        scale.data_ptr(),
+        scale_inv.data_ptr(),
+        fmax,
+        isa,
+        out.data_ptr(),
+    )
+    if status:
+        _raise_status(status, "fp8kit native cast_error_sums")
     return out

@@ -25,6 +25,7 @@ __all__ = [
     "amax",
     "cast",
     "cast_current",
+    "cast_error_sums",
     "cast_to_fp8_reference",
     "compute_scale",
     "count_events",
@@ -273,3 +274,21 @@ def small_fp8_gemm(
     for k in range(a.shape[1]):
         acc.add_(af[:, k : k + 1] * bf[k : k + 1, :])
     return gemm_epilogue(acc, a_scale, b_scale, out_dtype, bias)
+
+
+def cast_error_sums(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, fmax: float
+) -> torch.Tensor:
+    """:func:`fp8kit.torch.kernels.cast_error_sums` in torch ops: float32 ``x`` and
+    ``q * scale_inv`` (as ``Float8Tensor.dequantize()``), float64 squares and sums."""
+    xf = x.detach().reshape(-1).to(torch.float32)
+    qf = q.reshape(-1).to(torch.float32)
+    s = scale.reshape(()).to(torch.float32)
+    saturated = (xf.abs().mul_(s) > fmax).sum()  # |x| * s == |x * s| in float32
+    flushed = ((xf != 0) & (qf == 0)).sum()
+    finite = torch.isfinite(xf)
+    signal_part = torch.where(finite, xf, 0.0).to(torch.float64)
+    deq = torch.where(finite, qf.mul_(scale_inv.reshape(()).to(torch.float32)), 0.0)
+    signal = signal_part.square().sum()
+    noise = signal_part.sub_(deq.to(torch.float64)).square_().sum()
+    return torch.stack([p.to(torch.float64) for p in (saturated, flushed, signal, noise)])
