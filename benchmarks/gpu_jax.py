@@ -14,6 +14,11 @@ Layer kinds: ``flax-bf16`` (``flax.linen.Dense``), ``flax-fp8`` (``flax.linen.De
 ``fp8kit`` (``fp8kit.jax.linen.Dense``, delayed scaling, default recipe). Parameters are
 float32, computation bfloat16, in every variant.
 
+First, the seconds XLA takes to compile a 256 x 256 matmul (:func:`compile_probe_s`): when that
+alone takes many seconds, every compile on the machine is slow, not this benchmark's models. Each
+variant prints its phases (init, compile, warm-up) as they end, so a run cut short by a time
+limit still shows where its time went.
+
 Reported per variant (a line as each ends, then a table per case): the median step time over
 ``repeats`` steps (each ``block_until_ready``, after warm-up), the seconds its step took to
 compile, and, from the compiled HLO (``.lower(...).compile().as_text()``), the number of
@@ -173,6 +178,24 @@ def count_gemms(compiled_hlo: str) -> dict[str, int]:
     }
 
 
+def _phase(label: str, start: float) -> float:
+    """Print how long the phase ``label`` took since ``start`` (a ``perf_counter`` value) as
+    soon as it ends; return the time now."""
+    now = time.perf_counter()
+    print(f"    {label}: {now - start:.1f} s", flush=True)
+    return now
+
+
+def compile_probe_s() -> float:
+    """Seconds JAX takes to lower and compile a jitted 256 x 256 bfloat16 matmul on the default
+    backend: a baseline for the variants' compile times (tens of seconds here mean XLA itself
+    compiles slowly on this machine, whatever the model)."""
+    a = jnp.ones((256, 256), jnp.bfloat16)
+    start = time.perf_counter()
+    jax.jit(lambda m: m @ m).lower(a).compile()
+    return time.perf_counter() - start
+
+
 def run_variant(
     model_fn: Callable[[Callable[..., nn.Module]], nn.Module],
     variant: str,
@@ -186,16 +209,19 @@ def run_variant(
     if dense is None:
         return {"status": "n/a", "reason": f"flax {flax.__version__} has no Fp8DirectDotGeneralOp"}
     model = model_fn(dense)
+    start = time.perf_counter()
     with f8.autocast(enabled=variant == "fp8kit", recipe=f8.DelayedScaling()):
-        variables = jax.jit(model.init)(jax.random.PRNGKey(0), x)
+        variables = jax.block_until_ready(jax.jit(model.init)(jax.random.PRNGKey(0), x))
+    compile_start = _phase(f"{variant} init", start)
     step = make_step(model, variant)
-    compile_start = time.perf_counter()
     compiled = step.lower(variables, x, target).compile()
-    compile_s = time.perf_counter() - compile_start
+    warmup_start = _phase(f"{variant} compile", compile_start)
+    compile_s = warmup_start - compile_start
     gemms = count_gemms(compiled.as_text())
     for _ in range(warmup):
         variables, loss, dx = compiled(variables, x, target)
     jax.block_until_ready((variables, loss, dx))
+    _phase(f"{variant} warm-up ({warmup} steps)", warmup_start)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -308,7 +334,9 @@ def main(out_json_path: str | None = None, warmup: int = 3, repeats: int = 20) -
             "repeats": repeats,
             "cases": [],
         }
-        print(f"JAX {jax.__version__}, Flax {flax.__version__} on {device.device_kind}")
+        print(f"JAX {jax.__version__}, Flax {flax.__version__} on {device.device_kind}", flush=True)
+        result["compile_probe_s"] = compile_probe_s()
+        print(f"  a 256 x 256 matmul compiles in {result['compile_probe_s']:.1f} s", flush=True)
         for name, shape in (("mlp", MlpShape()), ("transformer", TransformerShape())):
             result["cases"].append(run_case(name, shape, warmup, repeats))
             print("\n" + _table(result["cases"][-1]), flush=True)  # a time limit keeps these

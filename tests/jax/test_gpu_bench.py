@@ -40,9 +40,15 @@ def test_without_a_gpu_it_skips_cleanly(tmp_path: Path) -> None:
     assert saved["status"] == "skipped" and "no GPU" in saved["reason"]
 
 
-def test_every_variant_trains_at_toy_sizes() -> None:
+def test_every_variant_trains_at_toy_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     # every layer kind in the MLP; the transformer block (shared by all kinds) with fp8kit's
     mlp = gpu_jax.run_case("mlp", gpu_jax.MlpShape(tokens=32, width=32), warmup=1, repeats=1)
+    printed = capsys.readouterr().out.splitlines()
+    for variant in ("flax-bf16", "fp8kit"):  # each phase as it ends, before the variant's line
+        labels = [line.strip().split(":")[0] for line in printed]
+        phases = [label for label in labels if variant in label.split()]
+        want = [f"{variant} init", f"{variant} compile", f"{variant} warm-up (1 steps)"]
+        assert phases == [*want, f"mlp {variant}"], printed
     shape = gpu_jax.TransformerShape(blocks=1, width=32, heads=2, mlp=64, batch=2, seq=16)
     block = gpu_jax.run_case("transformer", shape, warmup=1, repeats=1, variants=("fp8kit",))
     assert set(mlp["variants"]) == set(gpu_jax.VARIANTS) and block["dense_gemms"] == 12
@@ -75,3 +81,8 @@ def test_mlp_step_lowers_to_six_gemms_of_the_variants_kind(variant: str) -> None
     assert len(found) == 6 and [d.out_type for d in found] == want
     fp8 = variant != "flax-bf16"
     assert all((d.lhs_type.startswith("f8") and d.rhs_type.startswith("f8")) == fp8 for d in found)
+
+
+def test_the_compile_probe_times_a_real_compile() -> None:
+    seconds = gpu_jax.compile_probe_s()
+    assert isinstance(seconds, float) and seconds > 0
