@@ -42,6 +42,12 @@
 #define FP8KIT_HAVE_X86 0
 #endif
 
+// The scalar loops that the vector loops also run for their tails (and what those call) are
+// inlined into them, so they are compiled with the vector loop's instruction set: a call into
+// SSE-encoded code while the upper halves of the vector registers are in use cost ~0.2 us per
+// call on an Intel Xeon (docs/decisions/0257-vector-tails-stay-vex.md).
+#define FP8KIT_TAIL inline __attribute__((always_inline))
+
 // 16-bit input element types (raw bits; torch's bfloat16 and float16 storage).
 struct bf16_t {
   uint16_t bits;
@@ -67,13 +73,13 @@ struct Fmt {
   uint32_t magic_bits;
 };
 
-inline uint32_t bits_of(float f) {
+FP8KIT_TAIL uint32_t bits_of(float f) {
   uint32_t b;
   std::memcpy(&b, &f, sizeof(b));
   return b;
 }
 
-inline float float_of(uint32_t b) {
+FP8KIT_TAIL float float_of(uint32_t b) {
   float f;
   std::memcpy(&f, &b, sizeof(f));
   return f;
@@ -100,11 +106,13 @@ Fmt make_fmt(int64_t fmt_id) {
 // Scalar path (every CPU; also the tail of the vector loops)
 // ---------------------------------------------------------------------------------------------
 
-inline float load_f32(const float* p) { return *p; }
-inline float load_f32(const bf16_t* p) { return float_of(static_cast<uint32_t>(p->bits) << 16); }
+FP8KIT_TAIL float load_f32(const float* p) { return *p; }
+FP8KIT_TAIL float load_f32(const bf16_t* p) {
+  return float_of(static_cast<uint32_t>(p->bits) << 16);
+}
 
 // Exact IEEE half -> float (subnormals, infinities and NaN signs kept).
-inline float load_f32(const f16_t* p) {
+FP8KIT_TAIL float load_f32(const f16_t* p) {
   const uint32_t h = p->bits;
   const uint32_t sign = (h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1Fu;
@@ -115,7 +123,7 @@ inline float load_f32(const f16_t* p) {
   return float_of(sign | bits_of(static_cast<float>(mant) * 0x1p-24f));
 }
 
-inline uint8_t encode_scalar(float v, float scale, const Fmt& f) {
+FP8KIT_TAIL uint8_t encode_scalar(float v, float scale, const Fmt& f) {
   const float p = v * scale;  // one float32 multiply (built with -ffp-contract=off)
   const uint32_t b = bits_of(p);
   const uint32_t sign = (b >> 24) & 0x80u;
@@ -135,14 +143,14 @@ inline uint8_t encode_scalar(float v, float scale, const Fmt& f) {
 }
 
 // amax update that ignores NaN: a NaN |v| compares false and leaves acc unchanged.
-inline float amax_update(float acc, float v) {
+FP8KIT_TAIL float amax_update(float acc, float v) {
   const float a = std::fabs(v);
   return a > acc ? a : acc;
 }
 
 template <typename T>
-float encode_span_scalar(const T* src, uint8_t* dst, int64_t n, float scale, const Fmt& f,
-                         float acc) {
+FP8KIT_TAIL float encode_span_scalar(const T* src, uint8_t* dst, int64_t n, float scale,
+                                     const Fmt& f, float acc) {
   for (int64_t i = 0; i < n; ++i) {
     const float v = load_f32(src + i);
     acc = amax_update(acc, v);
@@ -152,14 +160,14 @@ float encode_span_scalar(const T* src, uint8_t* dst, int64_t n, float scale, con
 }
 
 template <typename T>
-float amax_span_scalar(const T* src, int64_t n, float acc) {
+FP8KIT_TAIL float amax_span_scalar(const T* src, int64_t n, float acc) {
   for (int64_t i = 0; i < n; ++i) acc = amax_update(acc, load_f32(src + i));
   return acc;
 }
 
 // acc[j] += float32(src[j]) for j < n: one row's contribution to the column sums (dbias).
 template <typename T>
-void colsum_span_scalar(const T* src, float* acc, int64_t n) {
+FP8KIT_TAIL void colsum_span_scalar(const T* src, float* acc, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += load_f32(src + i);
 }
 
@@ -803,17 +811,18 @@ const float* decode_table(int32_t fmt_id) {
 }
 
 // float32 -> bfloat16 bits, round to nearest even; NaN -> quiet NaN with the same sign.
-inline uint16_t bf16_rne(float p) {
+FP8KIT_TAIL uint16_t bf16_rne(float p) {
   const uint32_t b = bits_of(p);
   if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x40u);
   return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
-inline void store_out(float* d, float p) { *d = p; }
-inline void store_out(bf16_t* d, float p) { d->bits = bf16_rne(p); }
+FP8KIT_TAIL void store_out(float* d, float p) { *d = p; }
+FP8KIT_TAIL void store_out(bf16_t* d, float p) { d->bits = bf16_rne(p); }
 
 template <typename Out>
-void dequant_span_scalar(const uint8_t* src, Out* dst, int64_t n, float scale, int32_t fmt_id) {
+FP8KIT_TAIL void dequant_span_scalar(const uint8_t* src, Out* dst, int64_t n, float scale,
+                                     int32_t fmt_id) {
   const float* lut = decode_table(fmt_id);
   for (int64_t i = 0; i < n; ++i) store_out(dst + i, lut[src[i]] * scale);  // one multiply
 }
@@ -1310,7 +1319,7 @@ int64_t update_block(float* hist, int64_t L, int64_t N, int64_t j0, int64_t w, f
 }
 
 // ---------------------------------------------------------------------------------------------
-// Error sums of one cast, for the numerics inspector (docs/decisions/0256-native-cast-error-sums.md)
+// Error sums of one cast, for the numerics inspector (docs/decisions/0256)
 // ---------------------------------------------------------------------------------------------
 //
 // For a high-precision x (n elements) and its FP8 cast q (same order), with the float32 scale s
@@ -1344,8 +1353,8 @@ struct LaneSums {
 
 // Elements [i0, n) of a run into their lanes (the scalar loop, and the vector loops' tails).
 template <typename T>
-void error_sums_tail(const T* x, const uint8_t* q, int64_t i0, int64_t n, float s, float s_inv,
-                     float fmax, const float* lut, LaneSums& r) {
+FP8KIT_TAIL void error_sums_tail(const T* x, const uint8_t* q, int64_t i0, int64_t n, float s,
+                                 float s_inv, float fmax, const float* lut, LaneSums& r) {
   for (int64_t i = i0; i < n; ++i) {
     const float v = load_f32(x + i);
     const float d = lut[q[i]];
