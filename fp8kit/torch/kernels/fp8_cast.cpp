@@ -1722,9 +1722,9 @@ int32_t fp8kit_cast_error_sums(const void* x, int32_t in_dtype, const uint8_t* q
                                int64_t n, const float* scale, const float* scale_inv, float fmax,
                                int32_t isa, double* out) {
   using namespace fp8kit_native;
-  int32_t level = 0;
-  Fmt fmt;
-  const int32_t status = prepare(in_dtype, q_fmt, isa, &level, &fmt);
+  int32_t level = kIsaScalar;
+  Fmt unused{};
+  const int32_t status = prepare(in_dtype, q_fmt, isa, &level, &unused);
   if (status != kOk) return status;
   if (n < 0) return kBadShape;
   try {
