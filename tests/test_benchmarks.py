@@ -7,6 +7,7 @@ import re
 import pytest
 
 from benchmarks.run_all import BENCHMARKS
+from fp8kit.torch import kernels
 
 
 @pytest.mark.slow
@@ -20,7 +21,9 @@ def test_benchmark_smoke(name: str, capfd: pytest.CaptureFixture[str]) -> None:
     module = importlib.import_module(f"benchmarks.{name}")
     module.main(["--quick"])
     out = capfd.readouterr().out
-    assert re.search(r"^\|.*\|$", out, re.MULTILINE), out[-2000:]
+    table = re.search(r"^\|.*\|$", out, re.MULTILINE) is not None
+    said_why = not kernels.native_available() and "native kernel" in out  # nothing to compare
+    assert table or said_why, out[-2000:]
 
 
 def test_memory_benchmark_counts_fp8_activations_at_a_quarter() -> None:

@@ -54,7 +54,10 @@ def _numpy_small_gemm(
 
 
 def _isas() -> list[int]:
-    level = kernels.native_isa_level() if _NATIVE else ISA_SCALAR
+    """Every native loop this CPU runs; none without the native library."""
+    if not _NATIVE:
+        return []
+    level = kernels.native_isa_level()
     return [isa for isa in (ISA_SCALAR, ISA_AVX2, ISA_AVX512) if isa <= level]
 
 

@@ -41,6 +41,7 @@ from fp8kit.torch.kernels._native import (
     NativeKernelWarning,
     load_native,
     native_available,
+    native_build_error,
     native_cast_transpose,
 )
 
@@ -148,7 +149,9 @@ def _forced(name: str) -> object:
         return reference
     if name == "native":
         if load_native() is None:
-            raise RuntimeError("backend='native': the native library is unavailable")
+            raise RuntimeError(
+                f"backend='native': the native library is unavailable ({native_build_error()})"
+            )
         return native
     if name == "triton":
         triton_backend = _load_triton()
@@ -163,9 +166,9 @@ def _call(x: torch.Tensor, backend: str | None, method: str, *args: object) -> o
     if backend is None:
         name, impl = _auto(x)
     else:
-        name, impl = backend, _forced(backend)
-        if name == "native" and not x.is_cpu:
+        if backend == "native" and not x.is_cpu:  # the call's fault first, then the machine's
             raise ValueError(f"backend='native' runs on CPU tensors only, got x on {x.device}")
+        name, impl = backend, _forced(backend)
     if name != "triton" or backend is not None:
         return getattr(impl, method)(*args)
     try:
