@@ -12,7 +12,7 @@ import torch
 
 from fp8kit.formats import E4M3, E5M2
 from fp8kit.torch import kernels
-from fp8kit.torch.kernels import native
+from fp8kit.torch.kernels import dispatch, native
 
 FORMATS = {torch.float8_e4m3fn: E4M3.max, torch.float8_e5m2: E5M2.max}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -167,3 +167,23 @@ def test_bad_arguments_name_the_parameter() -> None:
             kernels.cast_error_sums(x, q, one, one, fmax)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="backend must be None, 'native' or 'reference'"):
         kernels.cast_error_sums(x, q, one, one, 448.0, backend="triton")
+
+
+def test_backend_native_names_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forced native backend: a non-CPU tensor is the call's error, reported first; without
+    the library the error says why it is missing (it used to be an AttributeError)."""
+    monkeypatch.setattr(dispatch, "load_native", lambda: None)
+    monkeypatch.setattr(dispatch, "native_build_error", lambda: "no C++ compiler here")
+    x = torch.randn(4, 4)
+    q = x.to(torch.float8_e4m3fn)
+    one = torch.tensor(1.0)
+    meta = torch.device("meta")
+    with pytest.raises(ValueError, match="backend='native' needs CPU tensors, got x on meta"):
+        kernels.cast_error_sums(
+            x.to(meta), q.to(meta), one.to(meta), one.to(meta), 448.0, backend="native"
+        )
+    unavailable = r"native library is unavailable \(no C\+\+ compiler here\)"
+    with pytest.raises(RuntimeError, match=unavailable):
+        kernels.cast_error_sums(x, q, one, one, 448.0, backend="native")
+    with pytest.raises(RuntimeError, match=unavailable):
+        kernels.small_fp8_gemm(q, q.t(), one, one, torch.float32, backend="native")

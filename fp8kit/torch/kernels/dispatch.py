@@ -721,6 +721,24 @@ def gemm_epilogue(
     return _call(acc, backend, "gemm_epilogue", acc, a_scale, b_scale, out_dtype, bias)  # type: ignore[return-value]
 
 
+def _native_or_reference(kernel: str, backend: str | None, name: str, t: torch.Tensor) -> str:
+    """The backend of a kernel with a native and a reference form only: automatic (native for
+    CPU tensors where the library is built, else the reference), or ``backend`` checked: an
+    unknown name, ``"native"`` for a non-CPU ``t`` (named ``name``), then ``"native"`` without
+    the library, each raise and say so."""
+    if backend is None:
+        return "native" if t.is_cpu and native_available() else "reference"
+    if backend not in ("native", "reference"):
+        raise ValueError(
+            f"{kernel} has no {backend!r} kernel: backend must be None, 'native' or 'reference'"
+        )
+    if backend == "native":
+        if not t.is_cpu:
+            raise ValueError(f"backend='native' needs CPU tensors, got {name} on {t.device}")
+        _forced(backend)  # the library is built, or this raises saying why not
+    return backend
+
+
 def small_fp8_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -781,16 +799,7 @@ def small_fp8_gemm(
             f"bias must be None or a float32 / bfloat16 / float16 tensor of shape "
             f"({b.shape[1]},) on a's device ({a.device}), got {_describe(bias)}"
         )
-    if backend is None:
-        backend = "native" if a.is_cpu and load_native() is not None else "reference"
-    elif backend not in ("native", "reference"):
-        raise ValueError(
-            f"small_fp8_gemm has no {backend!r} kernel: backend must be None, 'native' or "
-            "'reference'"
-        )
-    if backend == "native":
-        if not a.is_cpu:
-            raise ValueError(f"backend='native' needs CPU tensors, got a on {a.device}")
+    if _native_or_reference("small_fp8_gemm", backend, "a", a) == "native":
         return small_fp8_gemm_unchecked(a, b, a_scale, b_scale, out_dtype, bias)
     return reference.small_fp8_gemm(a, b, a_scale, b_scale, out_dtype, bias)
 
@@ -874,16 +883,7 @@ def cast_error_sums(
     if isinstance(fmax, bool) or not isinstance(fmax, (int, float)) or not 0 < fmax < math.inf:
         raise ValueError(f"fmax must be a positive finite number, got {fmax!r}")
     fmax = float(fmax)
-    if backend not in (None, "native", "reference"):
-        raise ValueError(
-            f"cast_error_sums has no {backend!r} kernel: backend must be None, 'native' or "
-            "'reference'"
-        )
-    if backend == "native" and not x.is_cpu:
-        raise ValueError(f"backend='native' needs CPU tensors, got x on {x.device}")
-    if backend is None:
-        backend = "native" if x.is_cpu and native_available() else "reference"
-    if backend == "reference":
+    if _native_or_reference("cast_error_sums", backend, "x", x) == "reference":
         return reference.cast_error_sums(x, q, scale, scale_inv, fmax)
     if torch.compiler.is_compiling():
         return native_ops.cast_error_sums_op(x, q, scale, scale_inv, fmax)
