@@ -18,6 +18,11 @@ Table 2, ``_dequant_mm`` at M x K x N (default 4096 x 2048 x 2048; A row-major, 
 column-major as the scaled_mm contract has them): the plain float32 ``A @ B`` of the same
 shape and layouts, the backend before the kernel (torch upcasts), after (``gemm._dequant_mm``),
 and the two upcasts alone; "x fp32 mm" divides by the float32 GEMM's time of the same run.
+
+Table 3, the GEMM epilogue (``kernels.gemm_epilogue``: scale, bias, rounding) of an M x N float32
+accumulator into float32 / bfloat16 / float16, with each loop this CPU has (``scalar`` is the
+only loop before docs/decisions/0258-vector-gemm-epilogue.md) against a float32 copy of the
+accumulator; GB/s counts ``4 * M * N`` bytes read and the output written.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 
 from benchmarks.common import machine_note, markdown_table, round_robin
 from fp8kit.torch import gemm, kernels
+from fp8kit.torch.kernels import native
 from fp8kit.torch.quantization import Float8Tensor
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -148,6 +154,42 @@ def gemm_table(m: int, k: int, n: int, repeats: int) -> str:
     )
 
 
+_ISA_LOOPS = {"scalar": kernels.ISA_SCALAR, "avx2": kernels.ISA_AVX2, "avx512": kernels.ISA_AVX512}
+
+
+def epilogue_table(m: int, n: int, repeats: int) -> str:
+    """Table 3: the native GEMM epilogue per output dtype and loop, against a float32 copy."""
+    gen = torch.Generator().manual_seed(4)
+    acc = torch.randn(m, n, generator=gen) * 100
+    work = torch.empty_like(acc)
+    bias = torch.randn(n, generator=gen)
+    s = torch.tensor(2.0**-7)
+    loops = {name: isa for name, isa in _ISA_LOOPS.items() if isa <= kernels.native_isa_level()}
+    variants: dict[str, Callable[[], object]] = {"copy float32 (ceiling)": lambda: work.copy_(acc)}
+    nbytes = {"copy float32 (ceiling)": 8 * m * n}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out_bytes = m * n * dtype.itemsize
+        for name, isa in loops.items():
+            # float32 runs in place on a fresh copy (the copy's time is in its row); others
+            # read acc and write a new tensor, as in the CPU GEMM
+            def fn(isa: int = isa, d: torch.dtype = dtype) -> torch.Tensor:
+                src = work.copy_(acc) if d is torch.float32 else acc
+                return native.gemm_epilogue(src, s, s, d, bias, isa)
+
+            label = f"{str(dtype).removeprefix('torch.')} + bias, {name}"
+            variants[label] = fn
+            nbytes[label] = 4 * m * n + out_bytes + (8 * m * n if dtype is torch.float32 else 0)
+    med = round_robin(variants, repeats)
+    copy_gbs = nbytes["copy float32 (ceiling)"] / med["copy float32 (ceiling)"] / 1e9
+    rows = []
+    for name, t in med.items():
+        gbs = nbytes[name] / t / 1e9
+        rows.append([name, f"{t * 1e3:.2f}", f"{gbs:.1f}", f"{gbs / copy_gbs:.2f}"])
+    return f"### GEMM epilogue, {m} x {n} float32 accumulator\n\n" + markdown_table(
+        ["output, loop", "ms", "GB/s", "x ceiling"], rows
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, 3 repeats")
@@ -169,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"- native kernel: {native}; medians of {repeats} round-robin rounds\n")
     print(bandwidth(size << 20, repeats), end="\n\n")
     print(gemm_table(m, k, n, repeats))
+    if kernels.native_available():
+        print("\n" + epilogue_table(m, n, repeats))
     print(f"\n- load at end: {machine_note().split('load average ')[1].split(',')[0]}")
 
 

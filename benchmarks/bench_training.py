@@ -10,6 +10,8 @@ same process, round-robin, and reported as medians with ratios to fp32 and to th
   slowdown, where this CPU has no fast bf16 matmul).
 - ``fp8kit delayed``: ``f8.convert_model`` + ``f8.autocast(DelayedScaling())``.
 - ``fp8kit current``: the same with ``Float8CurrentScaling()``.
+- ``fp8kit delayed, bf16 model``: ``fp8kit delayed`` on the bfloat16 model of the ``bf16
+  nn.Linear`` row (bfloat16 parameters, input and gradients; run where that row runs).
 - ``torchao Float8Linear`` (tensorwise dynamic scaling; ``_scaled_mm``) and its ``emulate=True``
   mode, when torchao is installed (``pip install torchao``). Skipped with the measured rate where
   ``_scaled_mm`` E4M3 x E4M3 is pathologically slow on this CPU (see docs/decisions/0001).
@@ -143,6 +145,14 @@ def build_variants(kind: str, sizes: dict[str, int]) -> tuple[dict[str, Step], l
         torch.manual_seed(0)
         model = f8.convert_model(_layers(kind, sizes))
         variants[name] = _train_step(model, x, grad, recipe)
+
+    if "bf16 nn.Linear" in variants:  # FP8 GEMMs of a bfloat16 model: bfloat16 epilogues
+        torch.manual_seed(0)
+        model = f8.convert_model(_layers(kind, sizes).bfloat16())
+        x16 = x.detach().bfloat16().requires_grad_()
+        variants["fp8kit delayed, bf16 model"] = _train_step(
+            model, x16, grad.bfloat16(), DelayedScaling()
+        )
 
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training

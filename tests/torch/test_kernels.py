@@ -915,6 +915,44 @@ def test_gemm_epilogue_against_numpy(
         assert_same_values(got, want, f"{backend}: bias {bias_dtype} -> {out_dtype}")
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of their width (NaN payloads and -0 compared exactly)."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no bias", "bias"])
+def test_gemm_epilogue_every_loop_gives_the_same_bits(
+    out_dtype: torch.dtype, with_bias: bool
+) -> None:
+    """The scalar, AVX2 and AVX-512 epilogues (each one this CPU runs) write the same bytes for
+    accumulators of random bit patterns (NaNs with every payload, subnormals, infinities), rows
+    whose length leaves a tail for each loop, and a scale product that pushes values across the
+    output's overflow and subnormal limits; the scalar loop matches numpy float32 math."""
+    if not kernels.native_available():
+        pytest.skip(f"native kernel unavailable: {kernels.native_build_error()}")
+    gen = torch.Generator().manual_seed(22)
+    bits = torch.randint(-(2**31), 2**31, (29, 71), generator=gen, dtype=torch.int64)
+    acc = bits.to(torch.int32).view(torch.float32)
+    acc[:9] = torch.randn(9, 71, generator=gen) * torch.logspace(-44, 38, 71)  # every decade
+    bias = None
+    if with_bias:
+        bias = (torch.randn(71, generator=gen) * 1e3).to(out_dtype)
+        bias[:2] = torch.tensor([-0.0, float("nan")])
+    for scale in (torch.tensor(1.0), torch.tensor(3.1e-5)):
+        one = torch.ones(())
+        want = native.gemm_epilogue(acc.clone(), scale, one, out_dtype, bias, kernels.ISA_SCALAR)
+        ref = _epilogue_reference(
+            acc.numpy(), np.float32(scale), None if bias is None else bias.float().numpy(),
+            out_dtype,
+        )  # fmt: skip
+        assert_same_values(want, ref, f"scalar loop, scale {scale.item()}")
+        for isa in range(kernels.ISA_AVX2, kernels.native_isa_level() + 1):
+            got = native.gemm_epilogue(acc.clone(), scale, one, out_dtype, bias, isa)
+            same = _raw(got) == _raw(want)
+            assert bool(same.all()), (isa, scale.item(), acc.flatten()[~same.flatten()][:4])
+
+
 def test_gemm_epilogue_reuses_a_float32_accumulator() -> None:
     if not kernels.native_available():
         pytest.skip(f"native kernel unavailable: {kernels.native_build_error()}")

@@ -154,7 +154,7 @@ class _Lib:
         ]
         self.delayed_update.restype = i32
         self.gemm_epilogue = lib.fp8kit_gemm_epilogue
-        self.gemm_epilogue.argtypes = [vp, i64, i64, vp, vp, vp, i32, vp, i32]
+        self.gemm_epilogue.argtypes = [vp, i64, i64, vp, vp, vp, i32, vp, i32, i32]
         self.gemm_epilogue.restype = i32
         self.small_gemm = lib.fp8kit_small_gemm
         self.small_gemm.argtypes = [

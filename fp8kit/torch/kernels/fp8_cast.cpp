@@ -1075,7 +1075,7 @@ inline float scale_from_amax(float amax, float old, const ScaleRule& rule) {
 
 // float32 -> IEEE float16 bits, round to nearest even (overflow to inf, subnormals kept, NaN
 // stays a quiet NaN with its sign).
-inline uint16_t f16_rne(float v) {
+FP8KIT_TAIL uint16_t f16_rne(float v) {
   const uint32_t b = bits_of(v);
   const uint32_t sign = (b >> 16) & 0x8000u;
   const uint32_t a = b & 0x7FFFFFFFu;
@@ -1104,33 +1104,106 @@ void store_sums(const float* sums, void* dst, int32_t in_dtype, int64_t n) {
 // The epilogue of a CPU FP8 GEMM (docs/performance.md, "CPU GEMM")
 // ---------------------------------------------------------------------------------------------
 
-inline void store_rounded(float* d, float v) { *d = v; }
-inline void store_rounded(bf16_t* d, float v) { d->bits = bf16_rne(v); }
-inline void store_rounded(f16_t* d, float v) { d->bits = f16_rne(v); }
+FP8KIT_TAIL void store_rounded(float* d, float v) { *d = v; }
+FP8KIT_TAIL void store_rounded(bf16_t* d, float v) { d->bits = bf16_rne(v); }
+FP8KIT_TAIL void store_rounded(f16_t* d, float v) { d->bits = f16_rne(v); }
 
-// Rows [r0, r1) of out = round(acc * s (+ bias)): one float32 multiply, one float32 add of the
-// bias (when there is one: adding 0 would turn -0 into +0), one rounding to Out.
+// One row's columns [0, n) of out = round(acc * s (+ bias)): one float32 multiply, one float32
+// add of the bias (when there is one: adding 0 would turn -0 into +0), one rounding to Out.
+template <bool kBias, typename Out>
+FP8KIT_TAIL void epilogue_span_scalar(const float* a, int64_t n, float s, const float* bias,
+                                      Out* o) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = a[j] * s;
+    store_rounded(o + j, kBias ? p + bias[j] : p);
+  }
+}
+
+#if FP8KIT_HAVE_X86
+// The vector rows: the same multiply and add per element (no FMA), the same rounding (the
+// integer bf16_rne lanes, F16C's round-to-nearest-even conversion for float16, which keeps
+// subnormals, overflows to inf and quiets a NaN keeping its top payload bits, as f16_rne).
+FP8KIT_AVX2 inline void epilogue_store8(float* d, __m256 v) { _mm256_storeu_ps(d, v); }
+FP8KIT_AVX2 inline void epilogue_store8(bf16_t* d, __m256 v) {
+  const __m256i r = bf16_rne8(v);
+  const __m128i packed =
+      _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(d), packed);
+}
+FP8KIT_AVX2 inline void epilogue_store8(f16_t* d, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(d),
+                   _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+template <bool kBias, typename Out>
+FP8KIT_AVX2 void epilogue_span_avx2(const float* a, int64_t n, float s, const float* bias,
+                                    Out* o) {
+  const __m256 vs = _mm256_set1_ps(s);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 p = _mm256_mul_ps(_mm256_loadu_ps(a + j), vs);
+    if (kBias) p = _mm256_add_ps(p, _mm256_loadu_ps(bias + j));
+    epilogue_store8(o + j, p);
+  }
+  epilogue_span_scalar<kBias>(a + j, n - j, s, kBias ? bias + j : bias, o + j);
+}
+
+FP8KIT_AVX512 inline void epilogue_store16(float* d, __m512 v) { _mm512_storeu_ps(d, v); }
+FP8KIT_AVX512 inline void epilogue_store16(bf16_t* d, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(d), bf16_rne16(v));
+}
+FP8KIT_AVX512 inline void epilogue_store16(f16_t* d, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(d),
+                      _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+template <bool kBias, typename Out>
+FP8KIT_AVX512 void epilogue_span_avx512(const float* a, int64_t n, float s, const float* bias,
+                                        Out* o) {
+  const __m512 vs = _mm512_set1_ps(s);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m512 p = _mm512_mul_ps(_mm512_loadu_ps(a + j), vs);
+    if (kBias) p = _mm512_add_ps(p, _mm512_loadu_ps(bias + j));
+    epilogue_store16(o + j, p);
+  }
+  epilogue_span_avx2<kBias>(a + j, n - j, s, kBias ? bias + j : bias, o + j);  // tail
+}
+#endif
+
+// Rows [r0, r1) of the epilogue with the loop of instruction set `level` (the same bits).
 template <bool kBias, typename Out>
 void epilogue_rows(const float* acc, int64_t r0, int64_t r1, int64_t n, float s,
-                   const float* bias, Out* out) {
-  for (int64_t i = r0; i < r1; ++i) {
-    const float* a = acc + i * n;
-    Out* o = out + i * n;
-    for (int64_t j = 0; j < n; ++j) {
-      const float p = a[j] * s;
-      store_rounded(o + j, kBias ? p + bias[j] : p);
+                   const float* bias, Out* out, int32_t level) {
+#if FP8KIT_HAVE_X86
+  if (level == kIsaAvx512) {
+    for (int64_t i = r0; i < r1; ++i) {
+      epilogue_span_avx512<kBias>(acc + i * n, n, s, bias, out + i * n);
     }
+    return;
+  }
+  if (level == kIsaAvx2) {
+    for (int64_t i = r0; i < r1; ++i) {
+      epilogue_span_avx2<kBias>(acc + i * n, n, s, bias, out + i * n);
+    }
+    return;
+  }
+#endif
+  (void)level;
+  for (int64_t i = r0; i < r1; ++i) {
+    epilogue_span_scalar<kBias>(acc + i * n, n, s, bias, out + i * n);
   }
 }
 
 template <typename Out>
-void epilogue_impl(const float* acc, int64_t m, int64_t n, float s, const float* bias, Out* out) {
+void epilogue_impl(const float* acc, int64_t m, int64_t n, float s, const float* bias, Out* out,
+                   int32_t level) {
   const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, n));
   at::parallel_for(int64_t{0}, m, grain, [&](int64_t r0, int64_t r1) {
     if (bias != nullptr) {
-      epilogue_rows<true>(acc, r0, r1, n, s, bias, out);
+      epilogue_rows<true>(acc, r0, r1, n, s, bias, out, level);
     } else {
-      epilogue_rows<false>(acc, r0, r1, n, s, bias, out);
+      epilogue_rows<false>(acc, r0, r1, n, s, bias, out, level);
     }
   });
 }
@@ -1262,7 +1335,7 @@ void small_gemm_impl(const uint8_t* a, int64_t a_sm, int64_t a_sk, const float* 
 #else
   small_gemm_blocks_scalar(af.data(), bf.data(), m, n, np, k, acc);
 #endif
-  epilogue_impl(acc, m, n, s, bias, out);
+  epilogue_impl(acc, m, n, s, bias, out, level);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1689,24 +1762,28 @@ int32_t fp8kit_delayed_update(float* hist, int64_t L, int64_t N, float* scale, f
 // The epilogue of a CPU FP8 GEMM whose float32 accumulator acc (m, n) is row-major:
 // out = round_out(acc * (*a_scale * *b_scale) + float32(bias)), the scale product one float32
 // multiply, the bias (n,) of bias_dtype (-1: no bias) added in float32, out (m, n) row-major of
-// out_dtype (it may be acc itself for a float32 output). Dtype ids as in_dtype.
+// out_dtype (it may be acc itself for a float32 output). Dtype ids as in_dtype; isa as
+// fp8kit_cast (every loop gives the same bits).
 int32_t fp8kit_gemm_epilogue(const float* acc, int64_t m, int64_t n, const float* a_scale,
                              const float* b_scale, const void* bias, int32_t bias_dtype,
-                             void* out, int32_t out_dtype) {
+                             void* out, int32_t out_dtype, int32_t isa) {
   using namespace fp8kit_native;
   if (m < 0 || n < 0) return kBadShape;
   if (out_dtype < kFloat32 || out_dtype > kFloat16) return kBadDtype;
   if (bias != nullptr && (bias_dtype < kFloat32 || bias_dtype > kFloat16)) return kBadDtype;
+  if (isa < kIsaAuto || isa > kIsaAvx512) return kBadIsa;
+  if (isa > best_isa()) return kIsaUnavailable;
+  const int32_t level = isa == kIsaAuto ? best_isa() : isa;
   try {
     const float s = *a_scale * *b_scale;
     const std::vector<float> b = bias_as_float(bias, bias_dtype, n);
     const float* bp = bias != nullptr ? b.data() : nullptr;
     if (out_dtype == kFloat32) {
-      epilogue_impl(acc, m, n, s, bp, static_cast<float*>(out));
+      epilogue_impl(acc, m, n, s, bp, static_cast<float*>(out), level);
     } else if (out_dtype == kBFloat16) {
-      epilogue_impl(acc, m, n, s, bp, static_cast<bf16_t*>(out));
+      epilogue_impl(acc, m, n, s, bp, static_cast<bf16_t*>(out), level);
     } else {
-      epilogue_impl(acc, m, n, s, bp, static_cast<f16_t*>(out));
+      epilogue_impl(acc, m, n, s, bp, static_cast<f16_t*>(out), level);
     }
   } catch (...) {
     return kInternalError;

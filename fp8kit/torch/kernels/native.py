@@ -311,8 +311,10 @@ def gemm_epilogue(
     b_scale: torch.Tensor,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
+    isa: int = ISA_AUTO,
 ) -> torch.Tensor:
-    """:func:`fp8kit.torch.kernels.gemm_epilogue` in one native call (in place for float32)."""
+    """:func:`fp8kit.torch.kernels.gemm_epilogue` in one native call (in place for float32;
+    ``isa`` forces a loop, for the tests: every loop gives the same bits)."""
     lib = load_native()
     m, n = acc.shape
     out = acc if out_dtype is _F32 else torch.empty(m, n, dtype=out_dtype)
@@ -328,6 +330,7 @@ def gemm_epilogue(
         -1 if bias is None else _IN_IDS[bias.dtype],
         out.data_ptr(),
         _IN_IDS[out_dtype],
+        isa,
     )
     if status:
         _raise_status(status, "fp8kit native gemm_epilogue")
