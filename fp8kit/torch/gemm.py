@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8kit.matmul_args import ACTIVATIONS, check_matmul_args
-from fp8kit.torch import kernels
+from fp8kit.torch import kernels, workspace
 from fp8kit.torch.quantization import (
     HIGH_PRECISION_DTYPES,
     Float8Tensor,
@@ -313,13 +313,19 @@ def _upcast_mm(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """:func:`_dequant_mm`'s route for GEMMs above :data:`SMALL_GEMM_MACS`: exact upcasts,
-    ``torch.mm``, the native epilogue (float32 products under ``torch.autocast`` too)."""
-    a32, b32 = kernels.dequantize_fp8(a), kernels.dequantize_fp8(b)
+    ``torch.mm``, the native epilogue (float32 products under ``torch.autocast`` too). The
+    upcasts, and the float32 accumulator of a 16-bit output, live in this thread's reused
+    buffers (:mod:`fp8kit.torch.workspace`) when they fit there."""
+    a32 = kernels.dequantize_fp8(a, out=workspace.view("a", a.shape, a.stride()))
+    b32 = kernels.dequantize_fp8(b, out=workspace.view("b", b.shape, b.stride()))
+    m, n = a.shape[0], b.shape[1]
+    # a float32 result is the accumulator itself (the epilogue runs in place): never a buffer
+    acc = None if out_dtype is torch.float32 else workspace.view("acc", (m, n), (n, 1))
     if torch.is_autocast_enabled(a.device.type):  # entering the context costs ~5 us
         with torch.autocast(a.device.type, enabled=False):
-            acc = torch.mm(a32, b32)
+            acc = torch.mm(a32, b32, out=acc)
     else:
-        acc = torch.mm(a32, b32)
+        acc = torch.mm(a32, b32, out=acc)
     return kernels.gemm_epilogue(acc, a_scale_inv, b_scale_inv, out_dtype, bias=bias)
 
 

@@ -481,10 +481,18 @@ def native_dequantize(
 
 
 def dequantize_unchecked(
-    lib: _Lib, data: torch.Tensor, scale: torch.Tensor | None, out_dtype: torch.dtype, isa: int
+    lib: _Lib,
+    data: torch.Tensor,
+    scale: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    isa: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`native_dequantize` on arguments it would accept (the caller checked them)."""
-    out = torch.empty_like(data, dtype=out_dtype)
+    """:func:`native_dequantize` on arguments it would accept (the caller checked them); ``out``:
+    None, or the result's storage, with ``data``'s strides over dense memory (the caller
+    checked)."""
+    if out is None:
+        out = torch.empty_like(data, dtype=out_dtype)
     src = data
     if data.stride() != out.stride():
         # Not dense in empty_like's layout (a slice, an expanded view, ...): densify the bytes

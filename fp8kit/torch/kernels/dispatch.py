@@ -629,7 +629,11 @@ def _scale_ok(x: torch.Tensor, scale: torch.Tensor) -> bool:
 
 
 def dequantize_fp8(
-    data: torch.Tensor, scale: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+    data: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``data.to(torch.float32) * scale`` (or the exact ``data.to(torch.float32)`` when ``scale``
     is None), cast to ``dtype``: the native kernel where it applies, torch otherwise.
@@ -645,18 +649,53 @@ def dequantize_fp8(
         data: FP8 tensor, any shape and strides.
         scale: None, or the float32 factor (``scale_inv``), a tensor with one element.
         dtype: ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
+        out: None, or the tensor to write the result into (no allocation: the CPU GEMM's reused
+            operand buffers, ``fp8kit.torch.workspace``): ``dtype``, on ``data``'s device, with
+            ``data``'s shape and strides, no autograd; ``data`` dense (contiguous, or the
+            transpose of a contiguous matrix).
 
     Returns:
-        Tensor of ``dtype`` and ``data``'s shape, laid out as torch's elementwise result.
+        Tensor of ``dtype`` and ``data``'s shape, laid out as torch's elementwise result
+        (``out`` itself when given).
     """
+    if out is not None:
+        _check_dequant_out(data, dtype, out)
     if _dequant_native_ok(data, scale, dtype):
-        if dtype == torch.float16:
-            return native.dequantize(data, scale, _F32).to(torch.float16)
-        return native.dequantize(data, scale, dtype)
-    out = data.to(torch.float32)
-    if scale is not None:
-        out = out * scale
-    return out if dtype == torch.float32 else out.to(dtype)
+        if dtype != torch.float16:
+            return native.dequantize(data, scale, dtype, out)
+        result = native.dequantize(data, scale, _F32).to(torch.float16)
+    else:
+        result = data.to(torch.float32)
+        if scale is not None:
+            result = result * scale
+        result = result if dtype == torch.float32 else result.to(dtype)
+    return result if out is None else out.copy_(result)
+
+
+def _check_dequant_out(data: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> None:
+    """Raise unless ``out`` can hold ``dequantize_fp8(data, dtype=dtype)`` in place."""
+    dense = isinstance(data, torch.Tensor) and (
+        data.is_contiguous() or (data.dim() == 2 and data.t().is_contiguous())
+    )
+    if not (
+        dense
+        and isinstance(out, torch.Tensor)
+        and out.dtype == dtype
+        and out.device == data.device
+        and out.shape == data.shape
+        and out.stride() == data.stride()
+        and not out.requires_grad
+    ):
+        want = (
+            f"a {dtype} tensor on {data.device} of shape {tuple(data.shape)} and strides "
+            f"{data.stride()} that needs no grad"
+            if dense
+            else "None: data is not dense (contiguous, or a transposed contiguous matrix)"
+        )
+        got = _describe(out)
+        if isinstance(out, torch.Tensor):
+            got += f", strides {out.stride()}, requires_grad={out.requires_grad}"
+        raise ValueError(f"out must be {want}, got {got}")
 
 
 def gemm_epilogue(

@@ -299,10 +299,15 @@ def prepare_delayed_update(
     return _PreparedUpdate(lib.delayed_update, args, tensors)
 
 
-def dequantize(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(
+    data: torch.Tensor,
+    scale: torch.Tensor | None,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """:func:`fp8kit.torch.kernels.dequantize_fp8` in one native call (``dtype`` float32 or
-    bfloat16)."""
-    return dequantize_unchecked(load_native(), data, scale, dtype, ISA_AUTO)
+    bfloat16; ``out`` as checked there)."""
+    return dequantize_unchecked(load_native(), data, scale, dtype, ISA_AUTO, out)
 
 
 def gemm_epilogue(
