@@ -19,6 +19,9 @@ from torch import nn
 from fp8kit.torch.autocast import current_settings
 from fp8kit.torch.linear import (
     FP8StateOwner,
+    check_bool,
+    check_features,
+    check_probability,
     fp8_linear,
     fp8_run_for,
     resolve_params_dtype,
@@ -63,6 +66,15 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
         params_dtype: torch.dtype | None = None,
     ) -> None:
         dtype = resolve_params_dtype(dtype, params_dtype)
+        check_features("embed_dim", embed_dim)
+        check_features("num_heads", num_heads)
+        for name, value in (("kdim", kdim), ("vdim", vdim)):
+            if value is not None:
+                check_features(name, value)
+        check_probability("dropout", dropout, one_allowed=True)  # as torch's dropout
+        for name, flag in (("bias", bias), ("add_bias_kv", add_bias_kv),
+                           ("add_zero_attn", add_zero_attn), ("batch_first", batch_first)):  # fmt: skip
+            check_bool(name, flag)
         super().__init__(
             embed_dim,
             num_heads,
@@ -91,6 +103,9 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
         is_causal: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As ``torch.nn.MultiheadAttention.forward``; FP8 projections inside ``f8.autocast``."""
+        for name, flag in (("need_weights", need_weights), ("is_causal", is_causal),
+                           ("average_attn_weights", average_attn_weights)):  # fmt: skip
+            check_bool(name, flag)
         weight = self.in_proj_weight if self._qkv_same_embed_dim else self.q_proj_weight
         if current_settings() is not None:
             self._check_inputs(query, key, value, key_padding_mask, attn_mask)

@@ -156,10 +156,14 @@ def resolve_params_dtype(
                 f"{name} must be a floating-point torch.dtype for the parameters (float32, "
                 f"bfloat16 or float16 for FP8 GEMMs), got {value}"
             )
+    for name, value in (("dtype", dtype), ("params_dtype", params_dtype)):
+        if value is not None and not isinstance(value, torch.dtype):
+            raise TypeError(
+                f"{name} must be a torch.dtype (torch.float32, torch.bfloat16 or torch.float16) "
+                f"or None, got {value!r}"
+            )
     if params_dtype is None:
         return dtype
-    if not isinstance(params_dtype, torch.dtype):
-        raise TypeError(f"params_dtype must be a torch.dtype or None, got {params_dtype!r}")
     if dtype is not None and dtype != params_dtype:
         raise ValueError(
             f"dtype={dtype} and params_dtype={params_dtype} disagree: params_dtype is Transformer "
@@ -183,6 +187,17 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return value
+
+
+def check_probability(name: str, value: Any, *, one_allowed: bool = False) -> float:
+    """``value`` as a float if it is a probability in [0, 1) ([0, 1] with ``one_allowed``);
+    else a TypeError / ValueError naming ``name``."""
+    interval = "[0, 1]" if one_allowed else "[0, 1)"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float in {interval}, got {value!r}")
+    if not (0.0 <= value <= 1.0 if one_allowed else 0.0 <= value < 1.0):
+        raise ValueError(f"{name} must be a float in {interval}, got {value!r}")
+    return float(value)
 
 
 def check_is_first_microbatch(value: object) -> None:
@@ -215,6 +230,12 @@ def fp8_run_for(
     attribute holding ``in_features``, for messages. None outside an enabled autocast and for
     empty inputs.
     """
+    # checked in high precision too, so a wrong width gets this message on both paths
+    if x.shape[-1:] != (in_features,):
+        raise ValueError(
+            f"{name} must have shape (*, {in_features}) for this {type(module).__name__} "
+            f"({width_name}={in_features}), got {tuple(x.shape)}"
+        )
     settings = current_settings()
     if settings is None:
         # len(), not bool(): torch 2.11's compiler cannot trace bool() of a dict (decision 0249)
@@ -226,11 +247,6 @@ def fp8_run_for(
             f"this {type(module).__name__}'s parameters have dtype {param.dtype}; FP8 GEMMs take "
             "torch.float32, torch.bfloat16 or torch.float16 parameters (convert the model with "
             ".float() or .to(torch.bfloat16))"
-        )
-    if x.shape[-1:] != (in_features,):
-        raise ValueError(
-            f"{name} must have shape (*, {in_features}) for this {type(module).__name__} "
-            f"({width_name}={in_features}), got {tuple(x.shape)}"
         )
     if not _same_device(x, param):
         raise ValueError(

@@ -32,6 +32,7 @@ from fp8kit.torch.linear import (
     check_features,
     check_init_method,
     check_is_first_microbatch,
+    check_probability,
     resolve_params_dtype,
     torch_autocast_dtype,
 )
@@ -41,14 +42,6 @@ __all__ = ["ATTN_INPUT_FORMATS", "SELF_ATTN_MASK_TYPES", "TransformerLayer"]
 
 SELF_ATTN_MASK_TYPES = ("causal", "padding", "no_mask")
 ATTN_INPUT_FORMATS = ("sbhd", "bshd")  # [seq, batch, hidden] (TE's default) or batch first
-
-
-def _check_probability(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float in [0, 1), got {value!r}")
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
-    return float(value)
 
 
 class TransformerLayer(nn.Module):
@@ -108,8 +101,8 @@ class TransformerLayer(nn.Module):
                 f"num_attention_heads ({heads}) must divide hidden_size ({hidden_size})"
             )
         self.num_attention_heads = heads
-        self.hidden_dropout = _check_probability("hidden_dropout", hidden_dropout)
-        self.attention_dropout = _check_probability("attention_dropout", attention_dropout)
+        self.hidden_dropout = check_probability("hidden_dropout", hidden_dropout)
+        self.attention_dropout = check_probability("attention_dropout", attention_dropout)
         self.self_attn_mask_type = check_choice(
             "self_attn_mask_type", self_attn_mask_type, SELF_ATTN_MASK_TYPES
         )

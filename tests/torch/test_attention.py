@@ -328,7 +328,7 @@ def test_params_dtype_is_te_spelling_of_dtype() -> None:
             ValueError, match=r"dtype=torch\.float32 and params_dtype=torch\.bfloat16"
         ):
             make(dtype=torch.float32, params_dtype=torch.bfloat16)
-        with pytest.raises(TypeError, match=r"params_dtype must be a torch\.dtype or None"):
+        with pytest.raises(TypeError, match=r"^params_dtype must be a torch\.dtype \(torch"):
             make(params_dtype="bf16")
 
 
@@ -429,3 +429,49 @@ def test_the_fast_path_flag_is_restored_when_the_call_raises() -> None:
         assert not torch.backends.mha.get_fastpath_enabled()
     finally:
         torch.backends.mha.set_fastpath_enabled(True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"batch_first": "False"}, TypeError, r"^batch_first must be a bool, got 'False'"),
+        ({"bias": "no"}, TypeError, r"^bias must be a bool"),
+        ({"add_bias_kv": 1}, TypeError, r"^add_bias_kv must be a bool"),
+        ({"add_zero_attn": None}, TypeError, r"^add_zero_attn must be a bool"),
+        ({"dropout": 10}, ValueError, r"^dropout must be a float in \[0, 1\], got 10"),
+        ({"dropout": -0.1}, ValueError, r"^dropout must be a float in \[0, 1\]"),
+        ({"dropout": "0.1"}, TypeError, r"^dropout must be a float in \[0, 1\]"),
+        ({"kdim": 0}, ValueError, r"^kdim must be a positive int, got 0"),
+        ({"vdim": 8.0}, TypeError, r"^vdim must be a positive int"),
+        ({"num_heads": 0}, ValueError, r"^num_heads must be a positive int"),
+        ({"embed_dim": True}, TypeError, r"^embed_dim must be a positive int"),
+    ],
+)
+def test_constructor_refuses_bad_arguments_naming_them(
+    kwargs: dict[str, object], error: type[Exception], message: str
+) -> None:
+    """What torch.nn.MultiheadAttention would read by truthiness ("False" is true) or accept
+    until a forward pass fails is refused where it enters, naming the argument."""
+    args = {"embed_dim": E, "num_heads": H, **kwargs}
+    with pytest.raises(error, match=message):
+        f8.MultiheadAttention(args.pop("embed_dim"), args.pop("num_heads"), **args)
+
+
+@pytest.mark.parametrize("flag", ["need_weights", "average_attn_weights", "is_causal"])
+def test_forward_refuses_non_bool_flags(flag: str) -> None:
+    mha = f8.MultiheadAttention(E, H)
+    q = torch.randn(L, N, E)
+    for fp8 in (False, True):
+        with f8.autocast(enabled=fp8), pytest.raises(TypeError, match=rf"^{flag} must be a bool"):
+            mha(q, q, q, **{flag: "no"})
+
+
+def test_a_wrong_query_width_is_named_with_and_without_fp8() -> None:
+    mha = f8.MultiheadAttention(E, H)
+    q = torch.randn(L, N, E + 1)
+    for fp8 in (False, True):
+        with (
+            f8.autocast(enabled=fp8),
+            pytest.raises(ValueError, match=rf"^query must have .*embed_dim={E}"),
+        ):
+            mha(q, q, q)

@@ -15,6 +15,11 @@ from fp8kit.formats import E4M3
 from fp8kit.recipe import DelayedScaling
 from tests.reference import fp8_round
 
+_NOT_A_DTYPE = (
+    r"^{name} must be a torch\.dtype \(torch\.float32, torch\.bfloat16 or torch\.float16\) "
+    r"or None, got"
+)
+
 
 class Block(nn.Module):
     def __init__(self) -> None:
@@ -205,8 +210,9 @@ def test_params_dtype_is_te_spelling_of_dtype(make) -> None:
     assert {p.dtype for p in same.parameters()} == {torch.bfloat16}
     with pytest.raises(ValueError, match=r"dtype=torch\.float32 and params_dtype=torch\.bfloat16"):
         make(dtype=torch.float32, params_dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match=r"params_dtype must be a torch\.dtype or None"):
-        make(params_dtype="bf16")
+    for name in ("params_dtype", "dtype"):  # a string, as in a config file, is not a dtype
+        with pytest.raises(TypeError, match=_NOT_A_DTYPE.format(name=name)):
+            make(**{name: "bfloat16"})
     for name in ("params_dtype", "dtype"):  # parameters that could never require gradients
         for bad in (torch.int32, torch.float8_e4m3fn):
             with pytest.raises(TypeError, match=rf"^{name} must be a floating-point torch\.dtype"):

@@ -583,3 +583,23 @@ def test_empty_input_and_repr() -> None:
         assert block(torch.randn(0, 8)).shape == (0, 4)
     assert "normalization=LayerNorm" in repr(block)
     assert "activation=swiglu" in repr(LayerNormMLP(8, 4, activation="swiglu"))
+
+
+@pytest.mark.parametrize(
+    ("make", "width"),
+    [
+        (lambda: f8.LayerNormLinear(32, 16), "in_features=32"),
+        (lambda: f8.LayerNormMLP(32, 64), "hidden_size=32"),
+        (lambda: f8.Linear(32, 16), "in_features=32"),
+    ],
+)
+def test_a_wrong_input_width_gets_one_message_with_and_without_fp8(make, width: str) -> None:
+    """Outside an autocast the input width is checked as inside one (the plain path used to
+    fail in torch's layer_norm or matmul, naming neither the argument nor the width)."""
+    layer = make()
+    for fp8 in (False, True):
+        with (
+            f8.autocast(enabled=fp8),
+            pytest.raises(ValueError, match=rf"\({width}\), got \(4, 31\)"),
+        ):
+            layer(torch.randn(4, 31))
