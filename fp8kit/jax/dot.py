@@ -469,6 +469,42 @@ _fp8_dot.defvjp(_fp8_dot_fwd_rule, _fp8_dot_bwd_rule, symbolic_zeros=True)
 # --- public entry points -----------------------------------------------------------------------
 
 
+def _check_dimensions(
+    lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...], dims: DimensionNumbers
+) -> tuple[int, ...]:
+    """The result shape of ``lax.dot_general`` with ``dims``, after a ValueError naming
+    ``dimension_numbers`` for an axis out of range or repeated, or sizes that differ."""
+    (lc, rc), (lb, rb) = dims
+    for side, shape, axes in (("lhs", lhs_shape, lc + lb), ("rhs", rhs_shape, rc + rb)):
+        bad = [a for a in axes if not 0 <= a < len(shape)]
+        if bad or len(set(axes)) != len(axes):
+            raise ValueError(
+                f"dimension_numbers name {side} axes {axes}: each must be in [0, "
+                f"{len(shape)}) for {side} of shape {tuple(shape)}, once"
+            )
+    for kind, la, ra in (("contracting", lc, rc), ("batch", lb, rb)):
+        sizes = ([lhs_shape[a] for a in la], [rhs_shape[a] for a in ra])
+        if sizes[0] != sizes[1]:
+            raise ValueError(
+                f"dimension_numbers pair {kind} axes of different sizes: lhs axes {la} have "
+                f"{sizes[0]} (lhs shape {tuple(lhs_shape)}), rhs axes {ra} have {sizes[1]} "
+                f"(rhs shape {tuple(rhs_shape)})"
+            )
+    free = (
+        [lhs_shape[a] for a in range(len(lhs_shape)) if a not in lc + lb],
+        [rhs_shape[a] for a in range(len(rhs_shape)) if a not in rc + rb],
+    )
+    return (*[lhs_shape[a] for a in lb], *free[0], *free[1])
+
+
+def _broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    """NumPy's broadcast of two shapes, or None when they do not broadcast."""
+    try:
+        return tuple(np.broadcast_shapes(a, b))
+    except ValueError:
+        return None
+
+
 def _config(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -494,6 +530,12 @@ def _config(
             "dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, "
             f"rhs_batch)) as for jax.lax.dot_general, got {dimension_numbers!r}"
         ) from None
+    out_shape = _check_dimensions(lhs.shape, rhs.shape, dims)
+    if bias is not None and _broadcast_shape(out_shape, tuple(bias.shape)) != out_shape:
+        raise ValueError(
+            f"bias must broadcast to the result's shape {out_shape} without changing it, got "
+            f"shape {tuple(bias.shape)}"
+        )
     out = jnp.result_type(lhs, rhs) if preferred_element_type is None else preferred_element_type
     high_precision_dtype(out, "preferred_element_type")
     if isinstance(precision, list):  # hashable: the config is a static jit argument

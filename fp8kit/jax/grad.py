@@ -16,7 +16,7 @@ import jax
 
 from fp8kit.jax.meta import Fp8Meta, is_meta, observations_of
 
-__all__ = ["split_grads", "value_and_grad"]
+__all__ = ["check_argnums", "split_grads", "value_and_grad"]
 
 
 def _drop_empty(tree: Any) -> Any:
@@ -54,6 +54,22 @@ def split_grads(grads: Any) -> tuple[Any, Any]:
     return _drop_empty(params), _drop_empty(obs)
 
 
+def check_argnums(argnums: Any) -> tuple[int, ...]:
+    """``argnums`` as a tuple of positions; a clear error for anything but an int or ints."""
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    if (
+        not isinstance(nums, Sequence)
+        or isinstance(nums, str)
+        or not nums
+        or any(isinstance(n, bool) or not isinstance(n, int) for n in nums)
+    ):
+        raise TypeError(
+            f"argnums must be an int or a non-empty sequence of ints (argument positions), "
+            f"got {argnums!r}"
+        )
+    return tuple(nums)
+
+
 def value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -71,6 +87,9 @@ def value_and_grad(
         ``(loss, aux)``; ``grads`` has no FP8 leaves; ``observations`` mirrors the differentiated
         arguments with an ``Observations`` at every meta, ready for :func:`fp8kit.jax.update`.
     """
+    check_argnums(argnums)
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"has_aux must be a bool, got {has_aux!r}")
     inner = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
     @functools.wraps(fun)

@@ -29,7 +29,7 @@ from jax import lax
 from fp8kit.jax.autocast import resolve_defaults
 from fp8kit.jax.dot import dot_general, dot_general_joined
 from fp8kit.jax.meta import Fp8Meta, init_meta
-from fp8kit.jax.quantization import master_weight
+from fp8kit.jax.quantization import check_high_precision, master_weight
 from fp8kit.unset import UNSET
 
 __all__ = ["FP8_COLLECTION", "Dense", "DenseGeneral"]
@@ -43,6 +43,10 @@ class _Fp8Layer(nn.Module):
     """Shared behaviour: autocast defaults at construction, state lookup, the FP8 GEMM."""
 
     def __post_init__(self) -> None:
+        _check_features(self.features)  # type: ignore[attr-defined]
+        for name in ("fp8_output", "fp8_grad", "use_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         recipe, axes = resolve_defaults(
             self.recipe,  # type: ignore[attr-defined]
             self.amax_reduction_axes,  # type: ignore[attr-defined]
@@ -117,8 +121,10 @@ class _Fp8Layer(nn.Module):
         """``x`` (the input) and ``kernel_param`` (the parameter) are promoted to the compute
         dtype as Flax's layers promote them, except the kernel an FP8 GEMM quantizes
         (:func:`~fp8kit.jax.quantization.master_weight`)."""
-        x, kernel, bias = promote_dtype(x, kernel_param, bias, dtype=self.dtype)  # type: ignore[attr-defined]
         meta, writable = self._fp8_state()
+        if meta is not None:  # before promotion, which would turn integer ids into floats
+            check_high_precision(x, "inputs")
+        x, kernel, bias = promote_dtype(x, kernel_param, bias, dtype=self.dtype)  # type: ignore[attr-defined]
         precision = self.precision  # type: ignore[attr-defined]
         if meta is None:
             y = lax.dot_general(x, kernel, dims, precision=precision)
@@ -192,6 +198,20 @@ def _reshaped(value: Any, shape: tuple[int, ...]) -> Any:
     if isinstance(value, meta.AxisMetadata):
         return meta.replace_boxed(value, jnp.reshape(value.unbox(), shape))
     return jnp.reshape(value, shape)
+
+
+def _check_features(features: Any) -> None:
+    """Raise unless ``features`` is an int >= 1 or a non-empty sequence of them."""
+    sizes = features if isinstance(features, Sequence) and not isinstance(features, str) else None
+    values = (features,) if sizes is None else tuple(sizes)
+    message = (
+        f"features must be an int >= 1 (Dense) or a non-empty sequence of them (DenseGeneral), "
+        f"got {features!r}"
+    )
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        raise TypeError(message)
+    if not values or min(values) < 1:
+        raise ValueError(message)
 
 
 def _as_tuple(x: int | Sequence[int]) -> tuple[int, ...]:

@@ -20,9 +20,9 @@ from jax import lax
 
 from fp8kit.jax.autocast import resolve_defaults
 from fp8kit.jax.dot import dot_general_chained
-from fp8kit.jax.grad import split_grads
+from fp8kit.jax.grad import check_argnums, split_grads
 from fp8kit.jax.meta import Fp8Meta, init_meta
-from fp8kit.jax.quantization import master_weight
+from fp8kit.jax.quantization import check_high_precision, master_weight
 from fp8kit.jax.updates import update as _update_tree
 from fp8kit.unset import UNSET
 
@@ -74,6 +74,10 @@ class Linear(nnx.Module):
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name, flag in (("use_bias", use_bias), ("fp8_output", fp8_output),
+                           ("fp8_grad", fp8_grad)):  # fmt: skip
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         recipe, axes = resolve_defaults(recipe, amax_reduction_axes)
         self.in_features = in_features
         self.out_features = out_features
@@ -103,6 +107,8 @@ class Linear(nnx.Module):
         """``x`` ``(..., in_features)`` -> ``(..., out_features)``."""
         kernel_param = self.kernel[...]
         bias = None if self.bias is None else self.bias[...]
+        if self.fp8_meta is not None:  # before promotion, which would turn integer ids into floats
+            check_high_precision(x, "x")
         x, kernel, bias = promote_dtype(x, kernel_param, bias, dtype=self.dtype)
         dims = (((x.ndim - 1,), (0,)), ((), ()))
         if self.fp8_meta is None:
@@ -125,22 +131,6 @@ class Linear(nnx.Module):
         return y
 
 
-def _check_argnums(argnums: Any) -> tuple[int, ...]:
-    """``argnums`` as a tuple of positions; a clear error for anything but an int or ints."""
-    nums = (argnums,) if isinstance(argnums, int) else argnums
-    if (
-        not isinstance(nums, Sequence)
-        or isinstance(nums, str)
-        or not nums
-        or any(isinstance(n, bool) or not isinstance(n, int) for n in nums)
-    ):
-        raise TypeError(
-            f"argnums must be an int or a non-empty sequence of ints (argument positions), "
-            f"got {argnums!r}"
-        )
-    return tuple(nums)
-
-
 def value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -154,7 +144,7 @@ def value_and_grad(
     are tuples; an argument that is not an NNX graph node (an array) gets its plain gradient
     and ``None`` observations.
     """
-    nums = _check_argnums(argnums)
+    nums = check_argnums(argnums)
     diff = tuple(nnx.DiffState(n, nnx.Any(nnx.Param, Fp8MetaVariable)) for n in nums)
     inner = nnx.value_and_grad(
         fun, argnums=diff[0] if isinstance(argnums, int) else diff, has_aux=has_aux

@@ -264,6 +264,8 @@ def current_scale(amax: jax.Array, fmt: FP8Format, power_2_scale: bool = False) 
 
 def quantize_current(x: Any, fp8_dtype: Any, power_2_scale: bool = False) -> Float8Array:
     """Current scaling: quantize ``x`` with ``fmax / max|x|`` (two reads of ``x``)."""
+    if not isinstance(power_2_scale, bool):
+        raise TypeError(f"power_2_scale must be a bool, got {power_2_scale!r}")
     x = check_high_precision(x)
     fmt = fp8_format_of(fp8_dtype)
     amax = nan_ignoring_amax(x)

@@ -218,6 +218,8 @@ def update(
         ``meta`` with every Fp8Meta advanced by one event (staging cleared, histories rolled where
         a slot ran, scales recomputed per the recipe, ``step + 1``).
     """
+    if not isinstance(check_chains, bool):
+        raise TypeError(f"check_chains must be a bool, got {check_chains!r}")
     flat, treedef, obs_list = _match(meta, observations)
     metas = [(p, x) for p, x in flat if isinstance(x, Fp8Meta)]
     if recipe is not None:
@@ -314,12 +316,20 @@ def combine_observations(*observations: Any) -> Any:
 
     trees = [norm(t) for t in observations]
 
-    def combine(*xs: Any) -> Any:
+    def combine(path: Any, *xs: Any) -> Any:
         if xs[0] is None:
             return None
+        if not isinstance(xs[0], Observations):
+            # a parameter gradient: its microbatches add up, a max would corrupt it
+            raise TypeError(
+                "combine_observations takes observation trees (the third result of "
+                "fp8kit.jax.value_and_grad, or split_grads(grads)[1]), got a "
+                f"{type(xs[0]).__name__} at {_path_str(path)}: combine parameter gradients "
+                "with a sum or a mean, and only the observations with this function"
+            )
         return jax.tree_util.tree_map(lambda *a: jnp.max(jnp.stack(a), axis=0), *xs)
 
-    return jax.tree_util.tree_map(
+    return jax.tree_util.tree_map_with_path(
         combine, *trees, is_leaf=lambda x: isinstance(x, Observations) or x is None
     )
 
@@ -334,6 +344,11 @@ def check_step(meta: Any, expected: int) -> None:
         raise TypeError(f"expected must be an int >= 0 (the number of updates), got {expected!r}")
     flat = jax.tree_util.tree_flatten_with_path(meta, is_leaf=is_meta)[0]
     want = expected % STEP_WRAP
+    if not any(isinstance(x, Fp8Meta) for _, x in flat):
+        raise ValueError(
+            "check_step found no Fp8Meta in meta: pass the tree that holds the FP8 state (e.g. "
+            "the whole Flax variable dict, with its 'fp8_meta' collection)"
+        )
     bad = []
     for path, x in flat:
         if isinstance(x, Fp8Meta):

@@ -72,8 +72,9 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
             if value is not None:
                 check_features(name, value)
         check_probability("dropout", dropout, one_allowed=True)  # as torch's dropout
-        for name, flag in (("bias", bias), ("add_bias_kv", add_bias_kv),
-                           ("add_zero_attn", add_zero_attn), ("batch_first", batch_first)):  # fmt: skip
+        flags = {"bias": bias, "add_bias_kv": add_bias_kv, "add_zero_attn": add_zero_attn,
+                 "batch_first": batch_first}  # fmt: skip
+        for name, flag in flags.items():
             check_bool(name, flag)
         super().__init__(
             embed_dim,
