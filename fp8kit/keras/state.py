@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 from keras import ops
 
+from fp8kit.keras.autocast import check_accumulation_steps, check_recipe
 from fp8kit.keras.scaling import update_scaling_state
 from fp8kit.recipe import DelayedScaling, Recipe
 
@@ -81,9 +82,16 @@ class Fp8State:
     """
 
     def __init__(self, layer: Any, recipe: Recipe, num_gemms: int, accumulation_steps: int):
+        if check_recipe(recipe) is None:
+            raise TypeError(
+                "recipe must be an fp8kit.recipe.DelayedScaling / Float8CurrentScaling (a layer "
+                "without FP8 has no Fp8State), got None"
+            )
+        if isinstance(num_gemms, bool) or not isinstance(num_gemms, int) or num_gemms < 1:
+            raise ValueError(f"num_gemms must be an int >= 1, got {num_gemms!r}")
         self.recipe = recipe
         self.num_gemms = num_gemms
-        self.accumulation_steps = accumulation_steps
+        self.accumulation_steps = check_accumulation_steps(accumulation_steps)
         length = recipe.amax_history_len if isinstance(recipe, DelayedScaling) else 1
         n_fwd, n_bwd = 3 * num_gemms, 2 * num_gemms
 
@@ -150,6 +158,12 @@ class Fp8State:
         treated as 0). Must be called once per backward pass with the max over every call of
         the layer in that pass, already reduced across replicas.
         """
+        shape = tuple(getattr(amaxes, "shape", ()))
+        if len(shape) != 1 or shape[0] not in (None, self.num_observations):  # None: traced
+            raise ValueError(
+                f"amaxes must have shape ({self.num_observations},): the {3 * self.num_gemms} "
+                f"forward then {2 * self.num_gemms} backward slots, got shape {shape}"
+            )
         if not isinstance(self.recipe, DelayedScaling):
             return  # current scaling: no history, nothing to update
         amaxes = ops.cast(amaxes, "float32")

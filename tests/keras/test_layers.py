@@ -285,6 +285,26 @@ def test_bad_input_raises_clear_errors(rng, tmp_path) -> None:
         model.save(str(tmp_path / "m.keras"))
 
 
+def test_fp8_state_checks_its_arguments_and_observations() -> None:
+    """Fp8State is public: a bad recipe, GEMM count or accumulation count is refused when it is
+    made (a string recipe used to be kept and never update), and observe() names a vector of
+    the wrong length (it failed inside a broadcast)."""
+    owner = keras.layers.Dense(4)
+    with pytest.raises(TypeError, match=r"^recipe must be None \(high precision\) or an fp8kit"):
+        f8.Fp8State(owner, "not a recipe", 1, 1)
+    with pytest.raises(TypeError, match=r"^recipe must be an fp8kit\.recipe\.DelayedScaling"):
+        f8.Fp8State(owner, None, 1, 1)
+    with pytest.raises(ValueError, match=r"^num_gemms must be an int >= 1, got '1'"):
+        f8.Fp8State(owner, f8.DelayedScaling(), "1", 1)
+    with pytest.raises(ValueError, match=r"^gradient_accumulation_steps must be an int >= 1"):
+        f8.Fp8State(owner, f8.DelayedScaling(), 1, 0)
+    state = f8.Fp8State(owner, f8.DelayedScaling(amax_history_len=2), 1, 1)
+    with pytest.raises(ValueError, match=r"^amaxes must have shape \(5,\): the 3 forward then 2"):
+        state.observe(np.ones(3, np.float32))
+    state.observe(np.ones(5, np.float32))  # the right length runs the event
+    assert float(np.asarray(state.fwd_count)[0]) == 1.0
+
+
 def test_keras_quantization_of_an_fp8_layer_is_refused_and_leaves_it_fp8() -> None:
     """``Model.quantize("float8", type_check=False)`` stacked Keras's float8 variables and
     quantization mode on an fp8kit layer; now the layer refuses, ``Model.quantize`` warns as it
