@@ -15,6 +15,7 @@ every rank saves and loads its own FP8 state.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -169,9 +170,25 @@ def _fp8_tensor_keys(model: nn.Module) -> list[tuple[str, ...]]:
 
 def _rank(rank: int | None) -> int:
     if rank is not None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(
+                f"rank must be None (this process's rank) or an int >= 0, got {rank!r}"
+            )
         return rank
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _check_state_dict_and_model(state_dict: Any, model: Any) -> None:
+    """A TypeError naming the argument unless ``state_dict`` is a mapping and ``model`` a module
+    (the two are easily swapped)."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"state_dict must be a mapping (model.state_dict() or get_model_state_dict(model)), "
+            f"got {type(state_dict).__name__}"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
 def per_rank_fp8_state_dict(
@@ -194,11 +211,18 @@ def per_rank_fp8_state_dict(
 
     Raises:
         ValueError: if ``state_dict`` has none of ``model``'s FP8 state keys (a state dict of
-            another model: nothing would be keyed by rank).
+            another model: nothing would be keyed by rank), or ``model`` has no FP8 state.
+        TypeError: if ``state_dict`` is not a mapping or ``model`` not a module.
     """
+    _check_state_dict_and_model(state_dict, model)
     r = _rank(rank)
     out = dict(state_dict)
     spellings = _fp8_tensor_keys(model)
+    if not spellings:
+        raise ValueError(
+            f"model (a {type(model).__name__}) has no FP8 state: there is nothing to key by rank "
+            "(pass the model the state dict came from)"
+        )
     renamed = 0
     for key in (k for keys in spellings for k in keys if k in out):
         out[f"{key}.rank{r}"] = out.pop(key)
@@ -220,6 +244,7 @@ def from_per_rank_fp8_state_dict(
         KeyError: if ``state_dict`` lacks this rank's entries (saved with another world size or
             without :func:`per_rank_fp8_state_dict`).
     """
+    _check_state_dict_and_model(state_dict, model)
     r = _rank(rank)
     out = dict(state_dict)
     for keys in _fp8_tensor_keys(model):

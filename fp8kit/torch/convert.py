@@ -285,9 +285,13 @@ def convert_model(
         ", ".join(converted) or "none",
     )
     if left:
-        logger.info(
-            "fp8kit.convert_model: left %d Linear-like or attention module(s) in high "
+        # nothing converted and something other than FP8 modules left: the call did nothing
+        # the user can see, so say why where a default logging setup shows it
+        nothing = not converted and any(not reasons[f].startswith("already an f8.") for f in left)
+        (logger.warning if nothing else logger.info)(
+            "fp8kit.convert_model: %sleft %d Linear-like or attention module(s) in high "
             "precision: %s",
+            "converted no module; " if nothing else "",
             len(left),
             "; ".join(f"{fqn} ({reasons[fqn]})" for fqn in left),
         )

@@ -382,3 +382,23 @@ def test_assign_load_of_a_plain_checkpoint_into_a_meta_model_gives_fresh_state(c
         y = model(x)
     y.sum().backward()
     assert state.update_count.tolist() == [1, 1, 0]
+
+
+def test_per_rank_state_dict_helpers_check_their_arguments() -> None:
+    """rank=True used to give keys '...rankTrue'; swapped arguments failed inside with "'Linear'
+    object is not iterable"; a model without FP8 state gave the dict back unchanged."""
+    model = f8.Linear(4, 4)
+    sd = model.state_dict()
+    for bad in (True, "0", -1, 1.0):
+        with pytest.raises(ValueError, match=r"^rank must be None \(this process's rank\) or an"):
+            f8.per_rank_fp8_state_dict(sd, model, rank=bad)
+    for helper in (f8.per_rank_fp8_state_dict, f8.from_per_rank_fp8_state_dict):
+        with pytest.raises(TypeError, match=r"^state_dict must be a mapping .*got Linear"):
+            helper(model, sd)
+        with pytest.raises(TypeError, match=r"^model must be a torch\.nn\.Module, got OrderedDict"):
+            helper(sd, sd)
+    with pytest.raises(ValueError, match=r"^model \(a Linear\) has no FP8 state"):
+        f8.per_rank_fp8_state_dict(nn.Linear(4, 4).state_dict(), nn.Linear(4, 4))
+    keyed = f8.per_rank_fp8_state_dict(sd, model, rank=3)
+    assert "fp8_meta.forward.scale.rank3" in keyed
+    assert f8.from_per_rank_fp8_state_dict(keyed, model, rank=3).keys() == sd.keys()

@@ -180,6 +180,26 @@ def test_convert_logs_what_it_converted_and_what_it_left(caplog) -> None:
     assert "block.fc1 (already an f8.Linear)" in "\n".join(r.getMessage() for r in caplog.records)
 
 
+def test_a_call_that_converts_nothing_warns_why(caplog) -> None:
+    """A float64 model (or one whose every Linear is filtered out) comes back unchanged: that is
+    a WARNING naming the modules and reasons, not an INFO line a default setup hides. A second
+    pass over a converted model, which has nothing left to do, stays quiet."""
+    with caplog.at_level("WARNING", logger="fp8kit"):
+        f8.convert_model(nn.Sequential(nn.Linear(8, 8)).double())
+    text = "\n".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert "converted no module; left 1 Linear-like" in text
+    assert "0 (weight dtype torch.float64: FP8 GEMMs take float32" in text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fp8kit"):
+        f8.convert_model(nn.Sequential(nn.Linear(8, 8)), module_filter=lambda m, fqn: False)
+    assert "converted no module" in "\n".join(r.getMessage() for r in caplog.records)
+    model = f8.convert_model(nn.Sequential(nn.Linear(8, 8)))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fp8kit"):
+        f8.convert_model(model)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
 @pytest.mark.parametrize("patterns", [["*head", "classifier"], "*head"])
 def test_keep_high_precision_takes_fnmatch_patterns(patterns) -> None:
     model = f8.convert_model(Net(), keep_high_precision=patterns)
