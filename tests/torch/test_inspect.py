@@ -504,6 +504,21 @@ def test_plot_writes_a_png(tmp_path) -> None:
     assert image.shape[0] > 300 and image.shape[1] > 300
     with pytest.raises(ValueError, match="metrics"):
         inspector.plot(path, metrics=("loudness",))
+    # a slot typo used to draw an empty column, a plain string one column per letter
+    with pytest.raises(ValueError, match=r"^slots must be kinds the records hold \(\['GRAD"):
+        inspector.plot(path, slots=("INPTU",))
+    with pytest.raises(TypeError, match=r"^slots must be a sequence of slot kinds .*'INPUT'"):
+        inspector.plot(path, slots="INPUT")
+
+
+def test_series_names_an_unknown_slot() -> None:
+    """A slot name that is not recorded used to give an empty series, like "no data yet"."""
+    inspector = _records_after_two_steps()
+    name = inspector.names()[0]
+    steps, values = inspector.series(name, "amax")
+    assert steps and len(values) == len(steps)
+    with pytest.raises(ValueError, match=r"^name must be one of the recorded slots \["):
+        inspector.series(name.lower(), "amax")
 
 
 def _figure_of(monkeypatch: pytest.MonkeyPatch, draw) -> object:

@@ -183,3 +183,19 @@ def test_cuda_masked_events_never_sync() -> None:
     counts = torch.cat([e.fp8_meta.forward.nonfinite_count for e in experts]).cpu()
     assert int(counts.sum()) > 0  # the inf reached the histories of the experts that ran
     assert any(issubclass(w.category, NonfiniteAmaxWarning) for w in caught)
+
+
+def test_state_constructors_name_a_bad_size() -> None:
+    """FP8Meta(num_gemms=-1) and friends used to fail inside torch.zeros, naming no argument;
+    zero slots or a zero-length history were accepted."""
+    cases = [
+        (lambda: f8.FP8Meta(num_gemms=-1), ValueError, r"^num_gemms must be an int >= 1, got -1"),
+        (lambda: f8.FP8Meta(num_gemms="2"), TypeError, r"^num_gemms must be an int >= 1, got '2'"),
+        (lambda: f8.FP8Meta(num_gemms=True), TypeError, r"^num_gemms must be an int >= 1"),
+        (lambda: f8.FP8Meta(history_len=0), ValueError, r"^history_len must be an int >= 1"),
+        (lambda: ScalingState(0), ValueError, r"^num_slots must be an int >= 1, got 0"),
+        (lambda: ScalingState(2, history_len=2.0), TypeError, r"^history_len must be an int"),
+    ]
+    for make, error, message in cases:
+        with pytest.raises(error, match=message):
+            make()

@@ -461,6 +461,8 @@ class Inspector:
                 f"metric must be one of {list(SlotStats.__dataclass_fields__)}, got {metric!r}"
             )
         picked = [r for r in self.records if r.name == name]
+        if self.records and not picked:  # a typo would otherwise read as "no data yet"
+            raise ValueError(f"name must be one of the recorded slots {self.names()}, got {name!r}")
         return [r.step for r in picked], [getattr(r, metric) for r in picked]
 
     def clear(self) -> None:

@@ -133,6 +133,13 @@ def stats_figure(
     present = {r.slot for r in records}
     if slots is None:
         slots = [s for s in _SLOT_ORDER if s in present] + sorted(present - set(_SLOT_ORDER))
+    elif isinstance(slots, str):  # would be read letter by letter
+        raise TypeError(f"slots must be a sequence of slot kinds such as ('INPUT',), got {slots!r}")
+    elif records and set(slots) - present:
+        raise ValueError(
+            f"slots must be kinds the records hold ({sorted(present)}), got "
+            f"{sorted(set(slots) - present)} among {list(slots)}"
+        )
     if not records or not slots or not metrics:
         raise ValueError("nothing to plot: no records for the requested metrics and slots")
     layers = list(dict.fromkeys(r.layer for r in records))
