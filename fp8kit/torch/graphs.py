@@ -99,6 +99,11 @@ def make_graphed_callables(
             "fp8_recipe must be None, a DelayedScaling or a Float8CurrentScaling, got "
             f"{type(recipe).__name__}"
         )
+    if fp8_calibrating and not isinstance(recipe, DelayedScaling):
+        raise ValueError(
+            "fp8_calibrating=True needs a DelayedScaling fp8_recipe (current scaling keeps no "
+            f"scales to calibrate), got {type(recipe).__name__}"
+        )
 
     if isinstance(num_warmup_iters, bool) or not isinstance(num_warmup_iters, int):
         raise TypeError(f"num_warmup_iters must be an int >= 0, got {num_warmup_iters!r}")

@@ -247,6 +247,9 @@ def quantize(
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         scale_inv: optional precomputed ``1 / scale`` (float or float32 one-element tensor, the
             same rules as ``scale``); it is trusted to be the reciprocal.
+
+    Not differentiable: the result carries no gradient to ``x`` (FP8 data has none); training
+    goes through the FP8 modules, whose backward passes treat each cast as the identity.
     """
     check_high_precision(x)
     fmt = fp8_format_of(fp8_dtype)
@@ -290,7 +293,8 @@ def quantize_current(
 ) -> Float8Tensor:
     """Current scaling: quantize ``x`` with ``fmax / max|x|`` (two reads of ``x``).
 
-    ``transpose`` (2-D ``x``): also produce ``data_t`` in the casting pass.
+    ``transpose`` (2-D ``x``): also produce ``data_t`` in the casting pass. Not differentiable,
+    as :func:`quantize`.
     """
     check_high_precision(x)
     for name, flag in (("power_2_scale", power_2_scale), ("transpose", transpose)):

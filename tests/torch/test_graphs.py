@@ -16,7 +16,7 @@ import torch
 import fp8kit.torch as f8
 from benchmarks.gpu_measure import gpt_training_step
 from fp8kit.demo.model import GPTConfig
-from fp8kit.recipe import DelayedScaling
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
 from tests.torch.emulated_graphs import assert_same_state
 
 RECIPE = DelayedScaling(amax_history_len=4)
@@ -185,6 +185,11 @@ def test_a_graphed_calibration_rolls_forward_scales_without_grad(emulated_graphs
         ({"num_warmup_iters": "3"}, TypeError, "num_warmup_iters must be an int >= 0"),
         ({"allow_unused_input": 2}, TypeError, "allow_unused_input must be a bool, got 2"),
         ({"fp8_group": "world"}, TypeError, "fp8_group must be None .* got str"),
+        (
+            {"fp8_calibrating": True, "fp8_recipe": Float8CurrentScaling()},
+            ValueError,
+            "^fp8_calibrating=True needs a DelayedScaling fp8_recipe .* got Float8CurrentScaling",
+        ),
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict[str, Any], error: type, match: str) -> None:
