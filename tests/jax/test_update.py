@@ -372,3 +372,26 @@ def test_eager_and_jit_agree(rng: np.random.Generator) -> None:
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert E4M3.max == 448 and E5M2.max == 57344
+
+
+def test_check_chains_false_lowers_without_a_host_conditional() -> None:
+    """The summed-observation check is a lax.cond around a host callback, which XLA's GPU
+    runtime evaluates by waiting for the stream (docs/jax.md, "Lowering"); check_chains=False
+    is the way to a step without it, and compiles to neither."""
+    dims = (((1,), (0,)), ((), ()))
+    params = {"w": jnp.ones((16, 8)), "meta": f8.init_meta()}
+    x = jnp.ones((4, 16))
+
+    def loss(p, x):
+        return f8.dot_general(x, p["w"], dims, p["meta"]).sum()
+
+    def compiled_text(check: bool) -> str:
+        def step(p, x):
+            _, grads, obs = f8.value_and_grad(loss)(p, x)
+            return f8.update({**p, "w": p["w"] - 1e-3 * grads["w"]}, obs, check_chains=check)
+
+        return jax.jit(step).lower(params, x).compile().as_text()
+
+    checked, unchecked = compiled_text(True), compiled_text(False)
+    assert "conditional(" in checked and "callback" in checked
+    assert "conditional(" not in unchecked and "callback" not in unchecked
