@@ -25,6 +25,7 @@ __all__ = [
     "Recipe",
     "check_rebuildable",
     "recipe_from_dict",
+    "require_int",
 ]
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
@@ -77,7 +78,9 @@ def _require_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
 
 
-def _require_int(name: str, value: Any, minimum: int) -> None:
+def require_int(name: str, value: Any, minimum: int) -> None:
+    """A TypeError / ValueError naming ``name`` unless ``value`` is an int (not a bool) >=
+    ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
     if value < minimum:
@@ -204,8 +207,8 @@ class DelayedScaling(_RecipeBase):
             raise TypeError(f"margin must be an int or a finite float, got {margin!r}")
         if not math.isfinite(margin):
             raise ValueError(f"margin must be finite, got {margin!r}")
-        _require_int("interval", self.interval, 1)
-        _require_int("amax_history_len", self.amax_history_len, 1)
+        require_int("interval", self.interval, 1)
+        require_int("amax_history_len", self.amax_history_len, 1)
         algo = self.amax_compute_algo
         if isinstance(algo, str):
             if algo not in AMAX_COMPUTE_ALGOS:

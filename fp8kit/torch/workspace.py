@@ -17,6 +17,7 @@ relatively less on first touches (its multiply-adds grow with a third dimension)
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -40,9 +41,7 @@ def view(role: str, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Te
     whatever the buffer held."""
     if torch.compiler.is_compiling():
         return None
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     if numel > MAX_ELEMENTS:
         return None
     buffers: dict[str, torch.Tensor] | None = getattr(_local, "buffers", None)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fp8kit.recipe import DelayedScaling
+from fp8kit.recipe import DelayedScaling, require_int
 from fp8kit.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
 
 __all__ = [
@@ -87,14 +87,6 @@ def resize_history(history: torch.Tensor, length: int) -> torch.Tensor:
     return out
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    """A TypeError / ValueError naming ``name`` unless ``value`` is an int >= 1 (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= 1, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value}")
-
-
 class ScalingState(nn.Module):
     """Delayed-scaling state of one direction of one module.
 
@@ -121,8 +113,8 @@ class ScalingState(nn.Module):
         device: torch.device | str | None = None,
         label: str = "",
     ) -> None:
-        _check_positive_int("num_slots", num_slots)
-        _check_positive_int("history_len", history_len)
+        require_int("num_slots", num_slots, 1)
+        require_int("history_len", history_len, 1)
         super().__init__()
         self.num_slots = num_slots
         self.label = label  # what owns this state, for messages (e.g. "Linear(64, 32).forward")
@@ -403,7 +395,7 @@ class FP8Meta(nn.Module):
         device: torch.device | str | None = None,
         label: str = "",
     ) -> None:
-        _check_positive_int("num_gemms", num_gemms)
+        require_int("num_gemms", num_gemms, 1)
         super().__init__()
         self.num_gemms = num_gemms
         # Registered under the names "forward"/"backward" so state_dict keys read like the
