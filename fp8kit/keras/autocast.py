@@ -21,7 +21,7 @@ import numpy as np
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from fp8kit.unset import UNSET
 
-__all__ = ["AutocastDefaults", "autocast", "check_recipe", "resolve"]
+__all__ = ["AutocastDefaults", "autocast", "check_recipe", "check_steps_apply", "resolve"]
 
 
 def check_recipe(recipe: Any, name: str = "recipe") -> Recipe | None:
@@ -43,6 +43,18 @@ def check_accumulation_steps(steps: Any) -> int:
     if steps < 1:
         raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {steps}")
     return steps
+
+
+def check_steps_apply(recipe: Recipe | None, steps: int) -> None:
+    """Refuse ``steps > 1`` with a recipe that has no update events to space out
+    (:class:`Float8CurrentScaling`): the setting would be silently ignored
+    (docs/decisions/0261-keras-accumulation-steps-need-delayed-scaling.md)."""
+    if steps > 1 and isinstance(recipe, Float8CurrentScaling):
+        raise ValueError(
+            f"gradient_accumulation_steps={steps} has no effect with Float8CurrentScaling: it "
+            "scales every tensor by its own amax and has no update events to space out. Leave "
+            "gradient_accumulation_steps at 1, or use DelayedScaling"
+        )
 
 
 @dataclass(frozen=True)
@@ -83,11 +95,9 @@ def autocast(
         raise TypeError(f"enabled must be a bool, got {enabled!r}")
     chosen = check_recipe(DelayedScaling() if recipe is None else recipe)
     assert chosen is not None
-    frame = AutocastDefaults(
-        enabled=enabled,
-        recipe=chosen,
-        gradient_accumulation_steps=check_accumulation_steps(gradient_accumulation_steps),
-    )
+    steps = check_accumulation_steps(gradient_accumulation_steps)
+    check_steps_apply(chosen, steps)
+    frame = AutocastDefaults(enabled=enabled, recipe=chosen, gradient_accumulation_steps=steps)
     stack = _stack()
     stack.append(frame)
     try:
@@ -104,6 +114,12 @@ def resolve(recipe: Any, steps: Any) -> tuple[Recipe | None, int]:
         recipe = DelayedScaling()
     elif recipe is UNSET:
         recipe = frame.recipe if frame.enabled else None
+    chosen = check_recipe(recipe)
     if steps is UNSET:
-        steps = 1 if frame is None else frame.gradient_accumulation_steps
-    return check_recipe(recipe), check_accumulation_steps(steps)
+        # an autocast's count applies to the layers it can apply to: a current-scaling layer in
+        # a delayed-scaling block has no events to space out
+        inherit = frame is not None and not isinstance(chosen, Float8CurrentScaling)
+        steps = frame.gradient_accumulation_steps if inherit else 1
+    steps = check_accumulation_steps(steps)
+    check_steps_apply(chosen, steps)
+    return chosen, steps

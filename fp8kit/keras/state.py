@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from keras import ops
 
-from fp8kit.keras.autocast import check_accumulation_steps, check_recipe
+from fp8kit.keras.autocast import check_accumulation_steps, check_recipe, check_steps_apply
 from fp8kit.keras.scaling import update_scaling_state
 from fp8kit.recipe import DelayedScaling, Recipe
 
@@ -92,6 +92,7 @@ class Fp8State:
         self.recipe = recipe
         self.num_gemms = num_gemms
         self.accumulation_steps = check_accumulation_steps(accumulation_steps)
+        check_steps_apply(recipe, self.accumulation_steps)
         length = recipe.amax_history_len if isinstance(recipe, DelayedScaling) else 1
         n_fwd, n_bwd = 3 * num_gemms, 2 * num_gemms
 

@@ -340,6 +340,27 @@ def test_autocast_sets_construction_defaults_only() -> None:
     assert inside.fp8_state.fwd_history.shape == (7, 3)
 
 
+def test_accumulation_steps_are_refused_where_no_update_event_uses_them() -> None:
+    """Float8CurrentScaling has no update events: a count > 1 given for it would be ignored, so
+    it is refused where it enters; a current-scaling layer in a delayed-scaling block that
+    counts microbatches takes 1, not the block's count."""
+    current = f8.Float8CurrentScaling()
+    message = r"gradient_accumulation_steps=3 has no effect with Float8CurrentScaling"
+    with pytest.raises(ValueError, match=message):
+        f8.Dense(4, recipe=current, gradient_accumulation_steps=3)
+    with pytest.raises(ValueError, match=message):
+        f8.autocast(recipe=current, gradient_accumulation_steps=3).__enter__()
+    with pytest.raises(ValueError, match=message):
+        f8.Fp8State(keras.layers.Layer(), current, 1, 3)
+    with f8.autocast(recipe=f8.DelayedScaling(), gradient_accumulation_steps=3):
+        mixed = f8.Dense(4, recipe=current)
+        delayed = f8.Dense(4)
+    assert mixed.gradient_accumulation_steps == 1 and delayed.gradient_accumulation_steps == 3
+    assert f8.Dense(4, recipe=current, gradient_accumulation_steps=1).recipe == current
+    # a layer without FP8 keeps what it was given (its config round-trips unchanged)
+    assert f8.Dense(4, recipe=None, gradient_accumulation_steps=3).gradient_accumulation_steps == 3
+
+
 def test_current_scaling_quantizes_with_its_own_amax_and_keeps_no_history(rng) -> None:
     w = random_fp8_friendly(rng, (16, 8))
     layer = dense(8, w, np.zeros(8, np.float32), f8.Float8CurrentScaling())
