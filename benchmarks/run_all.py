@@ -13,6 +13,7 @@ BENCHMARKS = (
     "bench_training",
     "bench_update",
     "bench_host",
+    "bench_cuda_host",
     "bench_memory",
     "bench_reduction",
     "bench_keras",
