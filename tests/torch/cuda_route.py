@@ -76,8 +76,8 @@ def _route_cpu_tensors_as_cuda() -> dict[str, int]:
     backend = dispatch._load_triton()
     if backend is None:
         raise RuntimeError(f"the Triton backend is unavailable: {dispatch.triton_error()}")
-    calls = {"cast": 0, "cast_current": 0, "delayed_update": 0}
-    for name in calls:
+    calls = {"cast": 0, "cast_current": 0, "delayed_update": 0, "slot_cast": 0}
+    for name in ("cast", "cast_current", "delayed_update"):
         kernel = getattr(backend, name)
 
         def counted(*args: object, _kernel: Callable = kernel, _name: str = name) -> object:
@@ -85,6 +85,30 @@ def _route_cpu_tensors_as_cuda() -> dict[str, int]:
             return _kernel(*args)
 
         setattr(backend, name, counted)
+    prepare_update = backend.prepare_delayed_update
+
+    def prepared_counted(*args: object) -> Callable[[], None]:
+        event = prepare_update(*args)
+
+        def counted_event() -> None:  # a prepared event counts as a delayed_update call
+            calls["delayed_update"] += 1
+            event()
+
+        return counted_event
+
+    backend.prepare_delayed_update = prepared_counted
+    slot_cast = backend.prepared_slot_cast
+
+    def slot_counted(*args: object) -> Callable[..., object]:
+        prepared = slot_cast(*args)
+
+        def counted_cast(*cast_args: object) -> object:  # a delayed slot's planned cast
+            calls["slot_cast"] += 1
+            return prepared(*cast_args)
+
+        return counted_cast
+
+    backend.prepared_slot_cast = slot_counted
     dispatch._auto = lambda x: ("triton", backend)  # type: ignore[assignment]
     dispatch.load_native = lambda: None  # type: ignore[assignment]  # no prepared native casts
     return calls

@@ -5,6 +5,7 @@ a slot's prepared casts follow its buffers when they are replaced."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -161,6 +162,10 @@ class _FailingTriton:
         self.launches += 1
         raise RuntimeError("PTX JIT compilation failed")
 
+    def prepared_slot_cast(self, *bound: object) -> Callable[..., None]:
+        """A delayed slot's planned cast (ADR 0262): fails as ``cast`` does."""
+        return self.cast
+
 
 def test_prepared_triton_cast_falls_back_once_a_launch_fails(
     monkeypatch: pytest.MonkeyPatch,
@@ -190,3 +195,48 @@ def test_prepared_triton_cast_falls_back_once_a_launch_fails(
     again = cast(x, False, False)  # the backend is off now: no second launch, no warning
     assert failing.launches == 1 and _same(again.data, want.data)
     assert "PTX JIT" in (kernels.triton_error() or "")
+
+
+class _FailingTritonUpdate:
+    """A Triton backend whose bound update event fails when it first launches."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def prepare_delayed_update(self, *args: object) -> Callable[[], None]:
+        def event() -> None:
+            self.launches += 1
+            raise RuntimeError("PTX JIT compilation failed")
+
+        return event
+
+
+def test_prepared_triton_update_falls_back_once_a_launch_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the Triton route the bound update event (ADR 0262) that fails warns once and updates
+    with the torch kernels (the same numbers); later events skip Triton."""
+    failing = _FailingTritonUpdate()
+    monkeypatch.setitem(dispatch._triton_state, "backend", failing)
+    monkeypatch.setitem(dispatch._triton_state, "error", None)
+
+    def auto(x: torch.Tensor) -> tuple[str, object]:  # CPU tensors routed as CUDA ones
+        on = dispatch._triton_state["backend"] is failing
+        return ("triton", failing) if on else ("reference", dispatch.reference)
+
+    monkeypatch.setattr(dispatch, "_auto", auto)
+    history = torch.tensor([[3.0, 0.0, 7.0], [1.0, 2.0, 0.5]])
+    tensors = [history, torch.ones(3), torch.ones(3), torch.zeros(3, dtype=torch.int64)]
+    want = [t.clone() for t in tensors]
+    kernels.delayed_update_(*want, fmax=448.0, backend="reference")
+    event = kernels.prepare_delayed_update(*tensors, fmax=448.0)
+    assert type(event).__name__ == "_PreparedTritonUpdate"
+    with pytest.warns(kernels.NativeKernelWarning, match="PTX JIT compilation failed"):
+        event()
+    for got, expected in zip(tensors, want, strict=True):
+        assert torch.equal(got, expected)
+    kernels.delayed_update_(*want, fmax=448.0, backend="reference")
+    event()  # the backend is off now: the torch kernels, no second launch
+    assert failing.launches == 1
+    for got, expected in zip(tensors, want, strict=True):
+        assert torch.equal(got, expected)

@@ -206,3 +206,121 @@ def test_a_bad_switch_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("FP8KIT_TRITON_FAST_LAUNCH", "fast")
     with pytest.raises(ValueError, match=r"FP8KIT_TRITON_FAST_LAUNCH must be one of .*got 'fast'"):
         env_flag("FP8KIT_TRITON_FAST_LAUNCH", True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch sites (ADR 0262): launches that differ only in tensor addresses skip the key
+
+
+@pytest.mark.skipif(not triton_launch.fast_launch_enabled(), reason="FP8KIT_TRITON_FAST_LAUNCH=0")
+def test_a_launch_site_builds_a_key_only_when_an_alignment_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kernel = _Kernel()
+    site = triton_launch.LaunchSite(kernel, (2,), num_warps=4)
+    keys = []
+    real_key = triton_launch.launch_key
+    monkeypatch.setattr(triton_launch, "launch_key", lambda *a: keys.append(a) or real_key(*a))
+    buffer = torch.zeros(64)
+    aligned, shifted = buffer[:32], buffer[1:33]
+    for x in (aligned, torch.zeros(32), shifted, shifted, torch.zeros(32)):
+        site((x, 32), (x.data_ptr() % 16 == 0,))
+    # the last launch changes the pattern back: launch() finds the launcher it kept at first
+    assert _kinds(kernel) == ["jit", "kept", "jit", "kept", "kept"]
+    # every launch passes all its arguments, in order
+    assert kernel.calls[3] == ("kept", (2, 1, 1), (shifted, 32))
+    assert kernel.calls[0][3] == {"num_warps": 4}
+    # a key per launch that went through launch(), plus one per pattern change to find its entry
+    assert len(keys) == 2 * 3
+
+
+def test_a_launch_site_of_a_plain_key_stays_on_the_plain_path() -> None:
+    """The interpreter returns no compiled kernel: every launch goes through Triton."""
+    kernel = _Kernel(compiled=False)
+    site = triton_launch.LaunchSite(kernel, (1,))
+    x = torch.zeros(8)
+    for _ in range(3):
+        site((x, 8), (True,))
+    assert _kinds(kernel) == ["jit", "jit", "jit"]
+
+
+@pytest.mark.skipif(not triton_launch.fast_launch_enabled(), reason="FP8KIT_TRITON_FAST_LAUNCH=0")
+def test_a_bound_launch_reuses_its_launcher_with_the_same_arguments() -> None:
+    kernel = _Kernel()
+    x = torch.zeros(8)
+    event = triton_launch.bind(kernel, (3,), (x, 8, True), num_warps=8)
+    for _ in range(3):
+        event()
+    assert _kinds(kernel) == ["jit", "kept", "kept"]
+    assert kernel.calls[2] == ("kept", (3, 1, 1), (x, 8, True))
+
+
+def test_a_launch_site_whose_launcher_raises_turns_the_cache_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(triton_launch, "_enabled", True)  # restored after the test
+    kernel = _Kernel()
+    monkeypatch.setattr(_Compiled, "__getitem__", lambda self, grid: _refuse)
+    event = triton_launch.bind(kernel, (1,), (torch.zeros(8), 8))
+    event()
+    with pytest.warns(NativeKernelWarning, match="launcher directly failed.*TypeError: refused"):
+        event()
+    event()
+    assert _kinds(kernel) == ["jit", "jit", "jit"]
+    assert not triton_launch.fast_launch_enabled()
+
+
+def _roles(args: tuple, named: dict[str, torch.Tensor], result: object) -> list[object]:
+    """``args`` with each tensor replaced by its role: a name from ``named`` (the bound and input
+    tensors), a field of ``result`` (the outputs), or an index of first appearance with its dtype
+    and shape (internal buffers); other arguments as they are."""
+    fields = {f: getattr(result, f) for f in ("data", "data_t", "amax", "scale_inv", "dbias")}
+    seen: list[torch.Tensor] = []
+    out: list[object] = []
+    for a in args:
+        if not isinstance(a, torch.Tensor):
+            out.append(a)
+            continue
+        role = next((n for n, t in {**named, **fields}.items() if t is a), None)
+        if role is None:
+            if not any(a is s for s in seen):
+                seen.append(a)
+            role = f"buffer {next(i for i, s in enumerate(seen) if s is a)}"
+        out.append((role, a.dtype, tuple(a.shape)))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("transpose", "dbias"), [(False, False), (True, False), (True, True)])
+def test_a_prepared_slot_cast_launches_what_cast_launches(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, transpose: bool, dbias: bool
+) -> None:
+    """With stand-in kernels: a delayed-scaling slot's planned cast passes every kernel the
+    arguments ``triton_cast.cast`` passes (same scalars, same tensors in the same roles), then
+    calls the kept launchers for fresh inputs and outputs."""
+    triton_cast = pytest.importorskip("fp8kit.torch.kernels.triton_cast")
+    if not triton_cast.triton_available():
+        pytest.skip("triton is not installed")
+    kernels = {n: _Kernel() for n in ("_cast_1d_kernel", "_cast_2d_kernel", "_dbias_kernel")}
+    for name, kernel in kernels.items():
+        monkeypatch.setattr(triton_cast, name, kernel)
+    spec = triton_cast.cast_spec(E4M3, torch.empty(0, dtype=dtype))
+    scale, amax_out = torch.full((4,), 2.0)[1:2], torch.zeros(3)[2:3]
+    x = torch.randn(96, 80).to(dtype)
+    general = triton_cast.cast(x, scale, spec, transpose, amax_out, dbias, None)
+    launched = [c for k in kernels.values() for c in k.calls]
+    for k in kernels.values():
+        k.calls.clear()
+    prepared = triton_cast.PreparedSlotCast(scale, amax_out)
+    inputs = [x.clone() for _ in range(3)]
+    results = [prepared(fresh, spec, transpose, dbias) for fresh in inputs]
+    named = {"x": x, "scale": scale, "amax_out": amax_out}
+    for i, (fresh, result) in enumerate(zip(inputs, results, strict=True)):
+        calls = [c for k in kernels.values() for c in k.calls[i :: len(results)]]
+        assert len(calls) == len(launched)
+        for want, got in zip(launched, calls, strict=True):
+            # the first finds the launcher cast's launch kept (the same key); later ones call it
+            assert got[0] == "kept" or not triton_launch.fast_launch_enabled()
+            assert got[1][: len(want[1])] == want[1]  # the grid
+            assert _roles(got[2], {**named, "x": fresh}, result) == _roles(want[2], named, general)
+    assert results[0].amax is None and general.amax is None

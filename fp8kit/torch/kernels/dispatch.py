@@ -86,6 +86,8 @@ class _TritonBackend:
         self.cast_current = cast_module.cast_current
         self.amax = cast_module.amax
         self.delayed_update = update_module.delayed_update
+        self.prepare_delayed_update = update_module.prepare_delayed_update
+        self.prepared_slot_cast = cast_module.PreparedSlotCast
         self.triton_cast = cast_module.triton_cast
         self.triton_cast_transpose = cast_module.triton_cast_transpose
 
@@ -320,7 +322,8 @@ class _PreparedTritonCast:
     kernels, as :func:`cast_fp8` does (:func:`_triton_failed`)."""
 
     __slots__ = (
-        "_amax_out", "_backend", "_count", "_cuda", "_device", "_fallback", "_scale", "_specs"
+        "_amax_out", "_backend", "_count", "_cuda", "_device", "_fallback", "_scale", "_slot",
+        "_specs",
     )  # fmt: skip
 
     def __init__(
@@ -337,6 +340,10 @@ class _PreparedTritonCast:
         self._cuda, self._device = scale.is_cuda, scale.get_device()
         self._specs = {dt: cast_spec(fp8_dtype, torch.empty(0, dtype=dt)) for dt in INPUT_DTYPES}
         self._fallback = fallback
+        # a delayed-scaling slot's cast: launches planned per input kind (ADR 0262)
+        self._slot = None
+        if amax_out is not None and first_step_count is None:
+            self._slot = backend.prepared_slot_cast(scale, amax_out)
 
     def __call__(self, x: torch.Tensor, transpose: bool, dbias: bool) -> CastResult:
         spec = self._specs.get(x.dtype)
@@ -351,6 +358,8 @@ class _PreparedTritonCast:
         ):
             return self._fallback(x, transpose, dbias)
         try:
+            if self._slot is not None:
+                return self._slot(x, spec, transpose, dbias)  # type: ignore[no-any-return]
             return self._backend.cast(  # type: ignore[no-any-return]
                 x, self._scale, spec, transpose, self._amax_out, dbias, self._count
             )
@@ -519,7 +528,32 @@ def prepare_delayed_update(
             history, scale, scale_inv, count, config, staging, nonfinite_count
         )
     args = (history, scale, scale_inv, count, config, None, staging, nonfinite_count)
+    if backend is None and _auto(history)[0] == "triton":
+        return _PreparedTritonUpdate(_load_triton(), args)  # type: ignore[arg-type]
     return functools.partial(_call, history, backend, "delayed_update", *args)
+
+
+class _PreparedTritonUpdate:
+    """:func:`prepare_delayed_update`'s function on CUDA: the Triton kernel's launch bound once
+    (:func:`fp8kit.torch.kernels.triton_update.prepare_delayed_update`), so an event builds no
+    launch key (docs/decisions/0262-bound-triton-launches.md). After a Triton failure (this
+    event's or another kernel's) the events run the torch kernels, as :func:`_call` does."""
+
+    __slots__ = ("_args", "_backend", "_launch")
+
+    def __init__(self, backend: _TritonBackend, args: tuple) -> None:
+        self._backend, self._args = backend, args
+        self._launch = backend.prepare_delayed_update(*args)
+
+    def __call__(self) -> None:
+        if _triton_state["backend"] is not self._backend:  # a kernel failed since
+            _call(self._args[0], None, "delayed_update", *self._args)
+            return
+        try:
+            self._launch()
+        except Exception as exc:  # compile / launch failure: the torch kernels from now on
+            _triton_failed(exc)
+            reference.delayed_update(*self._args)
 
 
 def _check_update(

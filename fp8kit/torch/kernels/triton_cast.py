@@ -55,7 +55,7 @@ import torch
 from fp8kit.formats import FP8Format
 from fp8kit.torch.kernels._common import CastResult, CastSpec, cast_spec, dense, empty
 from fp8kit.torch.kernels._native import env_flag
-from fp8kit.torch.kernels.triton_launch import launch
+from fp8kit.torch.kernels.triton_launch import LaunchSite, launch
 
 try:  # optional dependency
     import triton
@@ -72,6 +72,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     tl = None
 
 __all__ = [
+    "PreparedSlotCast",
     "amax",
     "cast",
     "cast_current",
@@ -599,6 +600,15 @@ def _amax_partials(
     return partials, programs
 
 
+def _grid_2d(m: int, n: int, sms: int) -> tuple[int, int, int]:
+    """``(column blocks, row groups, row tiles per program)`` of a 2-D cast of ``(m, n)``."""
+    col_blocks = _cdiv(n, _TILE)
+    row_tiles = _cdiv(m, _TILE)
+    groups = max(1, min(row_tiles, _cdiv(8 * sms, col_blocks)))
+    tiles_per_program = _cdiv(row_tiles, groups)
+    return col_blocks, _cdiv(row_tiles, tiles_per_program), tiles_per_program
+
+
 def _launch(
     x: torch.Tensor,
     spec: CastSpec,
@@ -629,70 +639,35 @@ def _launch(
     count_arg = count if count is not None else scale_inv  # read in mode 2 only
     partial_arg = partials if partials is not None else scale_inv  # read in modes 1, 2
     p_block = _partials_block(sms)
+    head = (x, scale_arg, count_arg, partial_arg, data)
     if not (transpose or dbias):
         n = x.numel()
         programs = max(1, min(_cdiv(n, _BLOCK_1D), 4 * sms))
+        tail = (n, n_partials, spec.fmt_id, spec.in_id, mode, power_2_scale, hw, _BLOCK_1D, p_block)
         launch(
             _cast_1d_kernel,
             (programs,),
-            (
-                x,
-                scale_arg,
-                count_arg,
-                partial_arg,
-                data,
-                amax_t,
-                scale_inv,
-                n,
-                n_partials,
-                spec.fmt_id,
-                spec.in_id,
-                mode,
-                power_2_scale,
-                hw,
-                _BLOCK_1D,
-                p_block,
-            ),
+            (*head, amax_t, scale_inv, *tail),
             num_warps=_WARPS_1D,
             enable_fp_fusion=False,
         )
         return CastResult(data, None, amax, scale_inv, None)
     m, n = x.shape
-    col_blocks = _cdiv(n, _TILE)
-    row_tiles = _cdiv(m, _TILE)
-    groups = max(1, min(row_tiles, _cdiv(8 * sms, col_blocks)))
-    tiles_per_program = _cdiv(row_tiles, groups)
-    groups = _cdiv(row_tiles, tiles_per_program)
+    col_blocks, groups, tiles_per_program = _grid_2d(m, n, sms)
     data_t = torch.empty(n, m, dtype=spec.fp8_dtype, device=device) if transpose else None
     partial_sums = torch.empty(groups, n, dtype=_F32, device=device) if dbias else None
+    tail = _tail_2d(m, n, tiles_per_program, n_partials, spec, mode, power_2_scale, hw, p_block,
+                    transpose, dbias)  # fmt: skip
     launch(
         _cast_2d_kernel,
         (col_blocks, groups),
         (
-            x,
-            scale_arg,
-            count_arg,
-            partial_arg,
-            data,
+            *head,
             data_t if data_t is not None else data,
             amax_t,
             scale_inv,
             partial_sums if partial_sums is not None else scale_inv,
-            m,
-            n,
-            tiles_per_program,
-            n_partials,
-            spec.fmt_id,
-            spec.in_id,
-            mode,
-            power_2_scale,
-            hw,
-            transpose,
-            dbias,
-            m % _TILE == 0 and n % _TILE == 0,
-            _TILE,
-            _TILE,
-            p_block,
+            *tail,
         ),
         num_warps=warps_2d(spec.in_id),
         enable_fp_fusion=False,
@@ -703,19 +678,149 @@ def _launch(
         launch(
             _dbias_kernel,
             (_cdiv(n, _DBIAS_COLS),),
-            (
-                partial_sums,
-                bias,
-                groups,
-                n,
-                spec.in_id,
-                _DBIAS_ROWS,
-                _DBIAS_COLS,
-            ),
+            (partial_sums, bias, groups, n, spec.in_id, _DBIAS_ROWS, _DBIAS_COLS),
             num_warps=4,
             enable_fp_fusion=False,
         )
     return CastResult(data, data_t, amax, scale_inv, bias)
+
+
+def _tail_2d(
+    m: int,
+    n: int,
+    tiles_per_program: int,
+    n_partials: int,
+    spec: CastSpec,
+    mode: int,
+    power_2_scale: bool,
+    hw: bool,
+    p_block: int,
+    transpose: bool,
+    dbias: bool,
+) -> tuple:
+    """The 2-D cast kernel's arguments after its tensors, in its parameter order."""
+    return (m, n, tiles_per_program, n_partials, spec.fmt_id, spec.in_id, mode, power_2_scale, hw,
+            transpose, dbias, m % _TILE == 0 and n % _TILE == 0, _TILE, _TILE, p_block)  # fmt: skip
+
+
+class PreparedSlotCast:
+    """:func:`cast` for one slot under delayed scaling (``scale`` and ``amax_out`` bound, no
+    first-step scaling), with the launches of each input kind planned once.
+
+    A plan per ``(spec, shape, transpose, dbias)`` of a contiguous input holds the grids, the
+    kernel's scalar arguments and a :class:`~fp8kit.torch.kernels.triton_launch.LaunchSite`
+    per kernel, so a call allocates its outputs and calls the kept launcher: no launch key,
+    no grid arithmetic (docs/decisions/0262-bound-triton-launches.md). The arguments are those
+    :func:`cast` passes, so the bytes are the same. At most :data:`MAX_PLANS` plans are kept
+    (a new shape past that starts over)."""
+
+    MAX_PLANS = 64
+
+    __slots__ = ("_amax_out", "_plans", "_scale")
+
+    def __init__(self, scale: torch.Tensor, amax_out: torch.Tensor) -> None:
+        self._scale, self._amax_out = scale, amax_out
+        self._plans: dict[tuple, _CastPlan] = {}
+
+    def __call__(self, x: torch.Tensor, spec: CastSpec, transpose: bool, dbias: bool) -> CastResult:
+        x = dense(x)
+        key = (spec, x.shape, transpose, dbias)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self.MAX_PLANS:
+                self._plans.clear()
+            plan = self._plans[key] = _CastPlan(x, spec, transpose, dbias)
+        return plan.run(x, self._scale, self._amax_out)
+
+
+class _CastPlan:
+    """:func:`_launch`'s work for one kind of input in mode "given" with a bound ``amax_out``,
+    minus what does not change from call to call."""
+
+    __slots__ = ("_bias_dtype", "_dbias_site", "_dbias_tail", "_device", "_fp8_dtype", "_groups",
+                 "_shape", "_site", "_tail", "_transpose", "_two_d")  # fmt: skip
+
+    def __init__(self, x: torch.Tensor, spec: CastSpec, transpose: bool, dbias: bool) -> None:
+        sms, hw = _device_facts(x)
+        p_block = _partials_block(sms)
+        self._device, self._shape, self._fp8_dtype = x.device, x.shape, spec.fp8_dtype
+        self._transpose, self._bias_dtype = transpose, x.dtype if dbias else None
+        self._two_d = transpose or dbias
+        self._dbias_site = None
+        self._groups = 0
+        if not self._two_d:
+            n = x.numel()
+            programs = max(1, min(_cdiv(n, _BLOCK_1D), 4 * sms))
+            self._tail = (n, 0, spec.fmt_id, spec.in_id, _MODE_GIVEN, False, hw, _BLOCK_1D,
+                          p_block)  # fmt: skip
+            self._site = LaunchSite(
+                _cast_1d_kernel, (programs,), num_warps=_WARPS_1D, enable_fp_fusion=False
+            )
+            return
+        m, n = x.shape
+        col_blocks, self._groups, tiles_per_program = _grid_2d(m, n, sms)
+        self._tail = _tail_2d(m, n, tiles_per_program, 0, spec, _MODE_GIVEN, False, hw, p_block,
+                              transpose, dbias)  # fmt: skip
+        self._site = LaunchSite(
+            _cast_2d_kernel,
+            (col_blocks, self._groups),
+            num_warps=warps_2d(spec.in_id),
+            enable_fp_fusion=False,
+        )
+        if dbias:
+            self._dbias_tail = (self._groups, n, spec.in_id, _DBIAS_ROWS, _DBIAS_COLS)
+            self._dbias_site = LaunchSite(
+                _dbias_kernel, (_cdiv(n, _DBIAS_COLS),), num_warps=4, enable_fp_fusion=False
+            )
+
+    def run(self, x: torch.Tensor, scale: torch.Tensor, amax_out: torch.Tensor) -> CastResult:
+        """The cast of ``x`` (contiguous, of the planned kind)."""
+        device = self._device
+        data = empty(self._shape, self._fp8_dtype, device)
+        scale_inv = torch.empty(size=(), dtype=_F32, device=device)
+        head = (x, scale, scale_inv, scale_inv, data)
+        if not self._two_d:
+            self._site(
+                (*head, amax_out, scale_inv, *self._tail),
+                (_aligned(x), _aligned(data), _aligned(scale_inv)),
+            )
+            return CastResult(data, None, None, scale_inv, None)
+        m, n = self._shape
+        data_t = (
+            torch.empty(n, m, dtype=self._fp8_dtype, device=device) if self._transpose else None
+        )
+        dbias = self._dbias_site is not None
+        partial_sums = torch.empty(self._groups, n, dtype=_F32, device=device) if dbias else None
+        self._site(
+            (
+                *head,
+                data_t if data_t is not None else data,
+                amax_out,
+                scale_inv,
+                partial_sums if partial_sums is not None else scale_inv,
+                *self._tail,
+            ),
+            (
+                _aligned(x),
+                _aligned(data),
+                _aligned(data_t),
+                _aligned(scale_inv),
+                _aligned(partial_sums),
+            ),
+        )
+        bias = None
+        if partial_sums is not None:
+            bias = torch.empty(n, dtype=self._bias_dtype, device=device)
+            self._dbias_site(  # type: ignore[misc]
+                (partial_sums, bias, *self._dbias_tail), (_aligned(partial_sums), _aligned(bias))
+            )
+        return CastResult(data, data_t, None, scale_inv, bias)
+
+
+def _aligned(t: torch.Tensor | None) -> bool:
+    """Whether ``t``'s address is a multiple of 16 (what Triton specialises a pointer on; None,
+    an argument absent from this kind of launch, counts as aligned)."""
+    return t is None or t.data_ptr() % 16 == 0
 
 
 def cast(

@@ -1,26 +1,29 @@
 """Triton launches with less host work per call (docs/performance.md, "Host time").
 
-``kernel[grid](*args)`` works out on every call what its compiled kernel is specialised on
-(each argument's type, each pointer's 16-byte alignment, each integer's divisibility by 16 and
-equality to 1), hashes that into its cache key and looks the kernel up: tens of microseconds of
-Python per launch, measured on an H200's host (docs/benchmarks.md), for casts that take a few
-microseconds on the device. A launch site that sees the same kinds of argument again and again
-(the modules' hot path) can reuse what the first launch found: :func:`launch` keeps the compiled
-kernel's launcher per key and calls it directly.
+``kernel[grid](*args)`` works out on every call what its compiled kernel is specialised on (each
+argument's type, each pointer's 16-byte alignment, each integer's divisibility by 16 and equality
+to 1), hashes that into its cache key and looks the kernel up: tens of microseconds of Python per
+launch, measured on an H200's host (docs/benchmarks.md), for casts that take a few microseconds on
+the device. A launch site that sees the same kinds of argument again and again (the modules' hot
+path) can reuse what the first launch found: :func:`launch` keeps the compiled kernel's launcher
+per key and calls it directly.
 
 The key is finer than Triton's specialisation, so a hit never runs a kernel compiled under other
 assumptions: the grid, the options, the device of the first tensor argument (a launch's tensors
 share one device, the one its kernel runs on), each tensor's dtype and whether its address is a
-multiple of 16, and every other argument's value (a new size is a new key). Building it costs
-a few microseconds per launch (docs/decisions/0255-graphed-gpt-benchmark.md). A first launch
-whose result is not a compiled kernel (the interpreter's, ``TRITON_INTERPRET=1``) keeps that key
-on the plain path. A kept launcher that raises (a Triton release whose launchers take other
-arguments) turns the cache off for the process with one :class:`NativeKernelWarning`, and that
-launch goes through Triton. ``FP8KIT_TRITON_FAST_LAUNCH=0`` in the environment turns it off.
+multiple of 16, and every other argument's value (a new size is a new key). Building it costs a few
+microseconds per launch (docs/decisions/0255-graphed-gpt-benchmark.md). A first launch whose result
+is not a compiled kernel (the interpreter's, ``TRITON_INTERPRET=1``) keeps that key on the plain
+path. A call site whose launches differ only in tensor addresses (a prepared cast, the update
+event) takes a :class:`LaunchSite`, which builds a key only when an alignment changes. A kept
+launcher that raises (a Triton release whose launchers take other arguments) turns the cache off
+for the process with one :class:`NativeKernelWarning`, and that launch goes through Triton.
+``FP8KIT_TRITON_FAST_LAUNCH=0`` in the environment turns it off.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -29,7 +32,15 @@ import torch
 
 from fp8kit.torch.kernels._native import NativeKernelWarning, env_flag
 
-__all__ = ["MAX_ENTRIES", "clear", "fast_launch_enabled", "launch", "launch_key"]
+__all__ = [
+    "MAX_ENTRIES",
+    "LaunchSite",
+    "bind",
+    "clear",
+    "fast_launch_enabled",
+    "launch",
+    "launch_key",
+]
 
 MAX_ENTRIES = 4096
 """Launchers kept before the cache starts over (a new size is a new key)."""
@@ -116,6 +127,54 @@ def launch(kernel: Any, grid: tuple[int, ...], args: Sequence[object], **options
         except Exception as exc:  # a Triton whose launcher takes other arguments: its JIT path
             _give_up(exc)
             kernel[grid](*args, **options)
+
+
+class LaunchSite:
+    """The launches of one kernel from one call site: fixed grid and options, and arguments that
+    keep their kinds and values from call to call except the addresses of some tensors (fresh
+    outputs, a new input of the same shape). The caller passes those tensors' 16-byte
+    alignments as ``aligned``; everything else in the key must not change.
+
+    The first launch of an alignment pattern goes through :func:`launch`; the site then keeps
+    that key's launcher, and later launches with the same pattern call it without building a key
+    (several microseconds per launch, docs/decisions/0262-bound-triton-launches.md). A key that
+    runs the plain way (the interpreter's) stays on :func:`launch`, as does every launch while
+    the cache is off."""
+
+    __slots__ = ("_aligned", "_grid", "_kernel", "_launcher", "_options")
+
+    def __init__(self, kernel: Any, grid: tuple[int, ...], **options: object) -> None:
+        self._kernel, self._grid, self._options = kernel, grid, options
+        self._aligned: tuple[bool, ...] | None = None  # the kept launcher's pattern
+        self._launcher: Callable[..., Any] | None = None
+
+    def __call__(self, args: tuple, aligned: tuple[bool, ...] = ()) -> None:
+        if aligned == self._aligned and _enabled:
+            launcher = self._launcher
+            if launcher is None:  # this key launches the plain way
+                launch(self._kernel, self._grid, args, **self._options)
+                return
+            try:
+                launcher(*args)
+            except Exception as exc:  # as in launch: Triton's JIT path from now on
+                _give_up(exc)
+                self._kernel[self._grid](*args, **self._options)
+            return
+        launch(self._kernel, self._grid, args, **self._options)
+        if _enabled:  # the key's entry, as that launch left it
+            self._launcher = _launchers.get(
+                launch_key(self._kernel, self._grid, args, self._options)
+            )
+            self._aligned = aligned
+
+
+def bind(
+    kernel: Any, grid: tuple[int, ...], args: Sequence[object], **options: object
+) -> Callable[[], None]:
+    """:func:`launch` with every argument fixed, as a function of no arguments: a
+    :class:`LaunchSite` whose arguments never change (the update event's bound tensors and
+    rule). The tensors in ``args`` are held, so their storage outlives the function."""
+    return functools.partial(LaunchSite(kernel, grid, **options), tuple(args))
 
 
 def _give_up(exc: Exception) -> None:

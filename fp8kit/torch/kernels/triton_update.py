@@ -16,16 +16,18 @@ Under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors (the tests check it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fp8kit.torch.kernels._common import UpdateConfig
 from fp8kit.torch.kernels.triton_cast import scale_from_amax, triton
-from fp8kit.torch.kernels.triton_launch import launch
+from fp8kit.torch.kernels.triton_launch import bind, launch
 
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["delayed_update"]
+__all__ = ["delayed_update", "prepare_delayed_update"]
 
 _COLS = 32  # columns per program: one 128-byte segment of each history row
 _MAX_ROWS = 64  # rows per tile
@@ -94,6 +96,48 @@ if triton is not None:
             tl.store(nonfinite_ptr + cols, counter + is_inf.to(tl.int64), mask=cmask)
 
 
+def _launch_parts(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    count: torch.Tensor,
+    config: UpdateConfig,
+    ran: torch.Tensor | None,
+    staging: torch.Tensor | None,
+    nonfinite_count: torch.Tensor | None,
+) -> tuple[tuple[int, ...], tuple, dict[str, object]] | None:
+    """The kernel's ``(grid, args, options)`` for one event, or None when there is no column."""
+    length, n = history.shape
+    if n == 0:
+        return None
+    rows = min(_MAX_ROWS, 1 << max(0, (length - 2).bit_length()))  # >= L - 1, a power of 2
+    args = (
+        history,
+        scale,
+        scale_inv,
+        count,
+        ran if ran is not None else history,
+        staging if staging is not None else history,
+        nonfinite_count if nonfinite_count is not None else count,
+        length,
+        n,
+        config.interval,
+        config.numerator,
+        config.fmax_exp,
+        config.fmax_mant,
+        config.margin_int,
+        config.algo_id,
+        config.power_2_scale,
+        ran is not None,
+        staging is not None,
+        nonfinite_count is not None,
+        _COLS,
+        rows,
+    )
+    options = {"num_warps": 4 if rows * _COLS <= 1024 else 8, "enable_fp_fusion": False}
+    return (-(-n // _COLS),), args, options
+
+
 def delayed_update(
     history: torch.Tensor,
     scale: torch.Tensor,
@@ -105,36 +149,30 @@ def delayed_update(
     nonfinite_count: torch.Tensor | None,
 ) -> None:
     """:func:`fp8kit.torch.kernels.delayed_update_` as one Triton kernel (in place)."""
-    length, n = history.shape
-    if n == 0:
-        return
-    rows = min(_MAX_ROWS, 1 << max(0, (length - 2).bit_length()))  # >= L - 1, a power of 2
-    launch(
-        _delayed_update_kernel,
-        (-(-n // _COLS),),
-        (
-            history,
-            scale,
-            scale_inv,
-            count,
-            ran if ran is not None else history,
-            staging if staging is not None else history,
-            nonfinite_count if nonfinite_count is not None else count,
-            length,
-            n,
-            config.interval,
-            config.numerator,
-            config.fmax_exp,
-            config.fmax_mant,
-            config.margin_int,
-            config.algo_id,
-            config.power_2_scale,
-            ran is not None,
-            staging is not None,
-            nonfinite_count is not None,
-            _COLS,
-            rows,
-        ),
-        num_warps=4 if rows * _COLS <= 1024 else 8,
-        enable_fp_fusion=False,
-    )
+    parts = _launch_parts(history, scale, scale_inv, count, config, ran, staging, nonfinite_count)
+    if parts is not None:
+        grid, args, options = parts
+        launch(_delayed_update_kernel, grid, args, **options)
+
+
+def _no_columns() -> None:
+    """The event of a history without columns: nothing to launch."""
+
+
+def prepare_delayed_update(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    scale_inv: torch.Tensor,
+    count: torch.Tensor,
+    config: UpdateConfig,
+    ran: torch.Tensor | None,
+    staging: torch.Tensor | None,
+    nonfinite_count: torch.Tensor | None,
+) -> Callable[[], None]:
+    """:func:`delayed_update` on fixed tensors, as a function of no arguments: the launch is
+    bound once (:func:`~fp8kit.torch.kernels.triton_launch.bind`); the tensors are held."""
+    parts = _launch_parts(history, scale, scale_inv, count, config, ran, staging, nonfinite_count)
+    if parts is None:
+        return _no_columns
+    grid, args, options = parts
+    return bind(_delayed_update_kernel, grid, args, **options)
