@@ -202,8 +202,10 @@ def fp8_gemm(
         if cpu_gemm_backend() == "dequant":
             return _dequant_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
         # torch's CPU _scaled_mm multiplies the dequantized operands with an mm that
-        # torch.autocast would run in its dtype; cuBLASLt's FP8 GEMM is not autocast's
-        no_autocast = torch.autocast("cpu", enabled=False)
+        # torch.autocast would run in its dtype; cuBLASLt's FP8 GEMM is not autocast's.
+        # Entered only when one is on: the context costs microseconds per GEMM.
+        if torch.is_autocast_enabled("cpu"):
+            no_autocast = torch.autocast("cpu", enabled=False)
     with no_autocast:
         return torch._scaled_mm(
             a,

@@ -44,6 +44,24 @@ def test_scaled_mm_matches_exact_product(backend: str) -> None:
     assert f8.scaled_mm(a, b, torch.bfloat16).dtype == torch.bfloat16
 
 
+def test_scaled_mm_ignores_an_active_torch_autocast(backend: str) -> None:
+    """Inside ``torch.autocast("cpu", bfloat16)`` the FP8 GEMM still accumulates the exact FP8
+    products in float32 (cuBLASLt's GEMM is not autocast's): the same bits as outside."""
+    torch.manual_seed(1)
+    a = _fp8(torch.randn(32, 64), scale=4.0)
+    b = _fp8(torch.randn(48, 64), scale=0.5).t()
+    bias = torch.randn(48, dtype=torch.bfloat16)
+    for out_dtype, b_arg in ((torch.float32, None), (torch.bfloat16, bias)):
+        outside = f8.scaled_mm(a, b, out_dtype, bias=b_arg)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = f8.scaled_mm(a, b, out_dtype, bias=b_arg)
+        assert inside.dtype == out_dtype
+        assert torch.equal(inside.view(torch.uint8), outside.view(torch.uint8))
+    np.testing.assert_allclose(
+        f8.scaled_mm(a, b).double().numpy(), _ref(a) @ _ref(b), rtol=1e-6, atol=1e-6
+    )
+
+
 @pytest.mark.parametrize(
     ("a_shape", "b_shape", "words"),
     [((8, 32), (32, 16), "M=8"), ((16, 24), (24, 16), "K=24"), ((16, 32), (32, 40), "N=40")],
