@@ -14,7 +14,7 @@ that returns at once, and ``torch._scaled_mm`` returns an uninitialised output. 
 route, for 32 x 32 layers, whose real ``nn.Linear`` GEMMs cost the CPU a few microseconds. Not
 counted: the Triton launcher's own C work and the CUDA driver's launch calls. One CPU-only
 branch stays in: the non-finite watch reads the counts after each event on the CPU (on CUDA it
-starts a copy every 16th event). The stubs change global state, so the measurement runs in a
+starts a copy every 8th event). The stubs change global state, so the measurement runs in a
 child process.
 """
 
