@@ -152,6 +152,19 @@ def test_prepared_casts_and_events_follow_share_memory() -> None:
                 assert torch.equal(getattr(sa, name), getattr(sb, name)), (direction, name)
 
 
+def _route_to_failing_triton(monkeypatch: pytest.MonkeyPatch, failing: object) -> None:
+    """Route CPU tensors as CUDA ones to ``failing`` as the Triton backend, until a failure
+    switches the process to the torch kernels."""
+    monkeypatch.setitem(dispatch._triton_state, "backend", failing)
+    monkeypatch.setitem(dispatch._triton_state, "error", None)
+
+    def auto(x: torch.Tensor) -> tuple[str, object]:
+        on = dispatch._triton_state["backend"] is failing
+        return ("triton", failing) if on else ("reference", dispatch.reference)
+
+    monkeypatch.setattr(dispatch, "_auto", auto)
+
+
 class _FailingTriton:
     """A Triton backend whose cast fails once it is launched (a compile or launch error)."""
 
@@ -173,14 +186,7 @@ def test_prepared_triton_cast_falls_back_once_a_launch_fails(
     """On the Triton route a failing launch warns once, gives the torch kernels' bits, and
     every later call of any prepared cast skips Triton (as ``cast_fp8`` does)."""
     failing = _FailingTriton()
-    monkeypatch.setitem(dispatch._triton_state, "backend", failing)
-    monkeypatch.setitem(dispatch._triton_state, "error", None)
-
-    def auto(x: torch.Tensor) -> tuple[str, object]:  # CPU tensors routed as CUDA ones
-        on = dispatch._triton_state["backend"] is failing
-        return ("triton", failing) if on else ("reference", dispatch.reference)
-
-    monkeypatch.setattr(dispatch, "_auto", auto)
+    _route_to_failing_triton(monkeypatch, failing)
     monkeypatch.setattr(dispatch, "load_native", lambda: None)  # cast_fp8: the torch kernels
     scale, amax = torch.tensor([0.5]), torch.zeros(1)
     cast = kernels.prepare_cast(scale, E4M3, amax_out=amax)
@@ -217,14 +223,7 @@ def test_prepared_triton_update_falls_back_once_a_launch_fails(
     """On the Triton route the bound update event (ADR 0262) that fails warns once and updates
     with the torch kernels (the same numbers); later events skip Triton."""
     failing = _FailingTritonUpdate()
-    monkeypatch.setitem(dispatch._triton_state, "backend", failing)
-    monkeypatch.setitem(dispatch._triton_state, "error", None)
-
-    def auto(x: torch.Tensor) -> tuple[str, object]:  # CPU tensors routed as CUDA ones
-        on = dispatch._triton_state["backend"] is failing
-        return ("triton", failing) if on else ("reference", dispatch.reference)
-
-    monkeypatch.setattr(dispatch, "_auto", auto)
+    _route_to_failing_triton(monkeypatch, failing)
     history = torch.tensor([[3.0, 0.0, 7.0], [1.0, 2.0, 0.5]])
     tensors = [history, torch.ones(3), torch.ones(3), torch.zeros(3, dtype=torch.int64)]
     want = [t.clone() for t in tensors]
