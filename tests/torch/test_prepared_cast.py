@@ -239,3 +239,29 @@ def test_prepared_triton_update_falls_back_once_a_launch_fails(
     assert failing.launches == 1
     for got, expected in zip(tensors, want, strict=True):
         assert torch.equal(got, expected)
+
+
+def test_prepared_triton_update_takes_the_torch_kernels_inside_a_trace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bound event called while torch.compile traces launches nothing: it runs what
+    ``delayed_update_`` runs there (the torch kernels), as before ADR 0262."""
+    failing = _FailingTritonUpdate()
+    _route_to_failing_triton(monkeypatch, failing)
+    tensors = [torch.tensor([[3.0, 7.0], [1.0, 0.5]]), torch.ones(2), torch.ones(2)]
+    tensors.append(torch.zeros(2, dtype=torch.int64))
+    want = [t.clone() for t in tensors]
+    kernels.delayed_update_(*want, fmax=448.0, backend="reference")
+    event = kernels.prepare_delayed_update(*tensors, fmax=448.0)
+    tracing = dispatch._auto
+
+    def auto(x: torch.Tensor) -> tuple[str, object]:  # _auto's rule: a trace takes torch
+        return ("reference", dispatch.reference) if compiling[0] else tracing(x)
+
+    compiling = [True]
+    monkeypatch.setattr(dispatch, "_auto", auto)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling[0])
+    event()
+    assert failing.launches == 0
+    for got, expected in zip(tensors, want, strict=True):
+        assert torch.equal(got, expected)

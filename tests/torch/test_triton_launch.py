@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from fp8kit.formats import E4M3
-from fp8kit.torch.kernels import NativeKernelWarning, cast_fp8, triton_launch
+from fp8kit.torch.kernels import (
+    NativeKernelWarning,
+    cast_fp8,
+    delayed_update_,
+    prepare_cast,
+    prepare_delayed_update,
+    triton_launch,
+)
 from fp8kit.torch.kernels._native import env_flag
 from fp8kit.torch.kernels.reference import cast_to_fp8_reference
 
@@ -168,6 +175,46 @@ def test_triton_on_the_gpu_kept_launchers_cast_like_the_reference() -> None:
         assert any(v is not None for v in triton_launch._launchers.values())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_on_the_gpu_planned_casts_and_bound_events_match_the_reference() -> None:
+    """ADR 0262 on a GPU: a delayed slot's planned cast, repeated with fresh inputs at aligned
+    and unaligned addresses (so through kept launchers of two patterns), and a bound update
+    event give the reference kernels' bytes, amaxes and states."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    scale = torch.tensor([3.0], device="cuda")
+    for dtype in (torch.bfloat16, torch.float32):
+        for transpose, dbias in ((False, False), (True, False), (True, True)):
+            staging = torch.zeros(1, device="cuda")
+            cast = prepare_cast(scale, torch.float8_e4m3fn, amax_out=staging)
+            want_amax = torch.zeros(1, device="cuda")
+            for step in range(6):
+                base = torch.randn(130 * 96 + 1, device="cuda", generator=gen).to(dtype) * 50
+                x = base[step % 2 : step % 2 + 130 * 96].view(130, 96)
+                got = cast(x, transpose, dbias)
+                want = cast_fp8(x, scale, torch.float8_e4m3fn, transpose=transpose,
+                                amax_out=want_amax, backend="reference")  # fmt: skip
+                assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+                assert torch.equal(got.scale_inv, want.scale_inv)
+                if transpose:
+                    assert torch.equal(got.data_t.view(torch.uint8), want.data_t.view(torch.uint8))
+                if dbias:  # its float32 sums run in the kernels' order: the unplanned launch's
+                    plain = cast_fp8(x, scale, torch.float8_e4m3fn, dbias=True, backend="triton")
+                    assert torch.equal(got.dbias, plain.dbias)
+                assert torch.equal(staging, want_amax)
+    history = torch.rand(16, 40, device="cuda", generator=gen) * 100
+    state = [history, torch.ones(40, device="cuda"), torch.ones(40, device="cuda")]
+    state.append(torch.zeros(40, dtype=torch.int64, device="cuda"))
+    want_state = [t.clone() for t in state]
+    event = prepare_delayed_update(*state, fmax=448.0)
+    for _ in range(4):
+        state[0][0].uniform_(0, 300, generator=gen)
+        want_state[0][0].copy_(state[0][0])
+        event()
+        delayed_update_(*want_state, fmax=448.0, backend="reference")
+        for got_t, want_t in zip(state, want_state, strict=True):
+            assert torch.equal(got_t, want_t)
+
+
 def test_a_launcher_that_raises_turns_the_cache_off_with_one_warning(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -291,7 +338,9 @@ def _roles(args: tuple, named: dict[str, torch.Tensor], result: object) -> list[
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("transpose", "dbias"), [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(
+    ("transpose", "dbias"), [(False, False), (True, False), (False, True), (True, True)]
+)
 def test_a_prepared_slot_cast_launches_what_cast_launches(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, transpose: bool, dbias: bool
 ) -> None:
@@ -324,3 +373,125 @@ def test_a_prepared_slot_cast_launches_what_cast_launches(
             assert got[1][: len(want[1])] == want[1]  # the grid
             assert _roles(got[2], {**named, "x": fresh}, result) == _roles(want[2], named, general)
     assert results[0].amax is None and general.amax is None
+
+
+@pytest.mark.skipif(not triton_launch.fast_launch_enabled(), reason="FP8KIT_TRITON_FAST_LAUNCH=0")
+def test_clear_makes_launch_sites_forget_their_launchers() -> None:
+    kernel = _Kernel()
+    site = triton_launch.LaunchSite(kernel, (1,))
+    x = torch.zeros(8)
+    site((x, 8), (True,))
+    site((x, 8), (True,))
+    triton_launch.clear()
+    site((x, 8), (True,))
+    site((x, 8), (True,))
+    assert _kinds(kernel) == ["jit", "kept", "jit", "kept"]
+
+
+class _OnGpu1(torch.Tensor):
+    """A CPU tensor that says it lives on CUDA device 1 (for the device guard's wiring)."""
+
+    def get_device(self) -> int:  # type: ignore[override]
+        return 1
+
+
+@pytest.mark.skipif(not triton_launch.fast_launch_enabled(), reason="FP8KIT_TRITON_FAST_LAUNCH=0")
+def test_a_launch_on_another_gpu_makes_that_device_current(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Triton launches on the current device: tensors on GPU 1 while GPU 0 is current are
+    launched inside ``torch.cuda.device(1)``, through launch() and through a site's kept
+    launcher; a launch on the current device enters no guard."""
+    entered: list[int] = []
+
+    class _Guard:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def __enter__(self) -> None:
+            entered.append(self.index)
+
+        def __exit__(self, *exc: object) -> None:
+            entered.append(-self.index)
+
+    current = {"device": 0}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["device"])
+    monkeypatch.setattr(torch.cuda, "device", _Guard)
+    kernel = _Kernel()
+    x = torch.zeros(8).as_subclass(_OnGpu1)
+    triton_launch.launch(kernel, (1,), (x, 8))
+    site = triton_launch.LaunchSite(kernel, (2,))
+    site((x, 8), (True,))
+    site((x, 8), (True,))
+    assert _kinds(kernel) == ["jit", "jit", "kept"]
+    assert entered == [1, -1, 1, -1, 1, -1]
+    current["device"] = 1
+    site((x, 8), (True,))
+    triton_launch.launch(kernel, (1,), (x, 8))
+    assert entered == [1, -1, 1, -1, 1, -1] and _kinds(kernel)[-2:] == ["kept", "kept"]
+
+
+def test_a_prepared_slot_cast_remakes_its_plans_when_the_conversion_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``set_hardware_conversion`` changes what ``cast`` passes the kernels (HW): planned
+    casts follow it, as ``cast`` does."""
+    triton_cast = pytest.importorskip("fp8kit.torch.kernels.triton_cast")
+    if not triton_cast.triton_available():
+        pytest.skip("triton is not installed")
+    kernel = _Kernel()
+    monkeypatch.setattr(triton_cast, "_cast_2d_kernel", kernel)
+    spec = triton_cast.cast_spec(E4M3, torch.empty(0))
+    prepared = triton_cast.PreparedSlotCast(torch.ones(1), torch.zeros(1))
+    x = torch.randn(64, 64)
+    cpu = torch.device("cpu")
+    # HW: after nine tensors and m, n, tiles per program, partials, fmt, in_id, mode, pow2
+    hw_position = 17
+    before = triton_cast.set_hardware_conversion(cpu, False)
+    try:
+        prepared(x, spec, True, False)
+        triton_cast.set_hardware_conversion(cpu, True)
+        prepared(x, spec, True, False)
+        triton_cast.cast(x, torch.ones(1), spec, True, torch.zeros(1), False, None)
+    finally:
+        triton_cast.set_hardware_conversion(cpu, before)
+    flags = [call[2][hw_position] for call in kernel.calls]
+    assert flags == [False, True, True]
+
+
+def test_a_planned_cast_flags_every_tensor_that_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor argument of a planned launch but the slot's bound ``scale`` and
+    ``amax_out`` is new at each call, so its alignment must be part of the pattern the kept
+    launcher is chosen by; a misaligned input takes a new pattern (a launch through Triton)."""
+    triton_cast = pytest.importorskip("fp8kit.torch.kernels.triton_cast")
+    if not triton_cast.triton_available():
+        pytest.skip("triton is not installed")
+    kernels = {n: _Kernel() for n in ("_cast_1d_kernel", "_cast_2d_kernel", "_dbias_kernel")}
+    for name, kernel in kernels.items():
+        monkeypatch.setattr(triton_cast, name, kernel)
+    checked: list[torch.Tensor] = []
+    real_aligned = triton_cast._aligned
+    monkeypatch.setattr(
+        triton_cast, "_aligned", lambda t: (t is None or checked.append(t)) or real_aligned(t)
+    )
+    scale, amax_out = torch.ones(1), torch.zeros(1)
+    spec = triton_cast.cast_spec(E4M3, torch.empty(0))
+    buffer = torch.randn(48 * 32 + 1)
+    for transpose, dbias in ((False, False), (True, False), (False, True), (True, True)):
+        prepared = triton_cast.PreparedSlotCast(scale, amax_out)
+        for k in kernels.values():
+            k.calls.clear()
+        checked.clear()
+        prepared(buffer[:-1].view(48, 32), spec, transpose, dbias)
+        launched = [c[2] for k in kernels.values() for c in k.calls]
+        changing = [a for args in launched for a in args if isinstance(a, torch.Tensor)]
+        changing = [a for a in changing if a is not scale and a is not amax_out]
+        assert changing and all(any(a is t for t in checked) for a in changing)
+        misaligned = buffer[1:].view(48, 32)
+        assert misaligned.data_ptr() % 16 != 0
+        main = kernels["_cast_2d_kernel" if transpose or dbias else "_cast_1d_kernel"]
+        prepared(buffer[:-1].view(48, 32).clone(), spec, transpose, dbias)
+        prepared(misaligned, spec, transpose, dbias)
+        kinds = _kinds(main)
+        if triton_launch.fast_launch_enabled():
+            assert kinds[1] == "kept" and kinds[2] == "jit", kinds

@@ -546,7 +546,8 @@ class _PreparedTritonUpdate:
         self._launch = backend.prepare_delayed_update(*args)
 
     def __call__(self) -> None:
-        if _triton_state["backend"] is not self._backend:  # a kernel failed since
+        # a kernel failed since, or a trace (which takes the torch kernels): as _call decides
+        if _triton_state["backend"] is not self._backend or torch.compiler.is_compiling():
             _call(self._args[0], None, "delayed_update", *self._args)
             return
         try:

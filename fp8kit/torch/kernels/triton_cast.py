@@ -101,6 +101,9 @@ _HW_CVT_CAPABILITY = (8, 9)  # cvt.rn.satfinite.{e4m3,e5m2}x2.f32: sm_89 (Ada) a
 _DIRECT_CVT = {0: "cvt.rn.satfinite.e4m3x2.f32", 1: "cvt.rn.satfinite.e5m2x2.f32"}
 _HW_CVT_ENABLED = env_flag("FP8KIT_TRITON_HW_CVT", True)  # README, "Environment variables"
 _device_facts_cache: dict[int, tuple[int, bool]] = {}
+# Bumped when set_hardware_conversion changes a device's facts: PreparedSlotCast's plans, which
+# hold the facts they were made with, are made again.
+_facts_generation = 0
 
 
 def triton_available() -> bool:
@@ -548,7 +551,9 @@ def set_hardware_conversion(device: torch.device, enabled: bool) -> bool:
                 f"{triton.__version__} converts float32 to FP8 in one instruction; {device} is "
                 f"{props.name} (sm_{props.major}{props.minor})"
             )
+    global _facts_generation
     _device_facts_cache[probe.get_device()] = (sms, enabled)
+    _facts_generation += 1
     return previous
 
 
@@ -712,19 +717,23 @@ class PreparedSlotCast:
     per kernel, so a call allocates its outputs and calls the kept launcher: no launch key,
     no grid arithmetic (docs/decisions/0262-bound-triton-launches.md). The arguments are those
     :func:`cast` passes, so the bytes are the same. At most :data:`MAX_PLANS` plans are kept
-    (a new shape past that starts over)."""
+    (a new shape past that starts over); :func:`set_hardware_conversion` makes them again."""
 
     MAX_PLANS = 64
 
-    __slots__ = ("_amax_out", "_plans", "_scale")
+    __slots__ = ("_amax_out", "_generation", "_plans", "_scale")
 
     def __init__(self, scale: torch.Tensor, amax_out: torch.Tensor) -> None:
         self._scale, self._amax_out = scale, amax_out
         self._plans: dict[tuple, _CastPlan] = {}
+        self._generation = _facts_generation  # of the device facts the plans were made with
 
     def __call__(self, x: torch.Tensor, spec: CastSpec, transpose: bool, dbias: bool) -> CastResult:
         x = dense(x)
         key = (spec, x.shape, transpose, dbias)
+        if self._generation != _facts_generation:  # set_hardware_conversion since
+            self._plans.clear()
+            self._generation = _facts_generation
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= self.MAX_PLANS:

@@ -49,6 +49,9 @@ MAX_ENTRIES = 4096
 _launchers: dict[Hashable, Callable[..., Any] | None] = {}
 _UNSEEN = object()
 _enabled = env_flag("FP8KIT_TRITON_FAST_LAUNCH", True)
+# Bumped by clear() and when the cache turns off: what a LaunchSite kept under an older
+# generation is forgotten.
+_generation = 0
 
 
 def fast_launch_enabled() -> bool:
@@ -57,7 +60,10 @@ def fast_launch_enabled() -> bool:
 
 
 def clear() -> None:
-    """Forget every kept launcher (the next launch of each key goes through Triton again)."""
+    """Forget every kept launcher, those of :class:`LaunchSite` objects included (the next
+    launch of each key goes through Triton again)."""
+    global _generation
+    _generation += 1
     _launchers.clear()
 
 
@@ -106,7 +112,22 @@ def launch(kernel: Any, grid: tuple[int, ...], args: Sequence[object], **options
             compiled kernel's launcher takes): tensors, all on the device the kernel runs on,
             and Python scalars.
         options: launch options (``num_warps``, ``enable_fp_fusion``...), the same at a call site.
+
+    Triton launches on the current CUDA device (its stream, the kernel loaded for it): a launch
+    whose tensors are on another GPU makes their device current for the launch.
     """
+    index = _device(args)
+    if index >= 0 and index != torch.cuda.current_device():
+        with torch.cuda.device(index):
+            _launch_here(kernel, grid, args, options)
+        return
+    _launch_here(kernel, grid, args, options)
+
+
+def _launch_here(
+    kernel: Any, grid: tuple[int, ...], args: Sequence[object], options: dict[str, object]
+) -> None:
+    """:func:`launch` on the current device."""
     if not _enabled:
         kernel[grid](*args, **options)
         return
@@ -141,31 +162,35 @@ class LaunchSite:
     runs the plain way (the interpreter's) stays on :func:`launch`, as does every launch while
     the cache is off."""
 
-    __slots__ = ("_aligned", "_grid", "_kernel", "_launcher", "_options")
+    __slots__ = ("_grid", "_kept", "_kernel", "_options")
 
     def __init__(self, kernel: Any, grid: tuple[int, ...], **options: object) -> None:
         self._kernel, self._grid, self._options = kernel, grid, options
-        self._aligned: tuple[bool, ...] | None = None  # the kept launcher's pattern
-        self._launcher: Callable[..., Any] | None = None
+        # (generation, alignment pattern, launcher or None for a plain key, device index), one
+        # tuple so that threads sharing the site never pair a launcher with another pattern
+        self._kept: tuple[int, tuple[bool, ...], Callable[..., Any] | None, int] | None = None
 
     def __call__(self, args: tuple, aligned: tuple[bool, ...] = ()) -> None:
-        if aligned == self._aligned and _enabled:
-            launcher = self._launcher
-            if launcher is None:  # this key launches the plain way
-                launch(self._kernel, self._grid, args, **self._options)
-                return
-            try:
-                launcher(*args)
-            except Exception as exc:  # as in launch: Triton's JIT path from now on
-                _give_up(exc)
-                self._kernel[self._grid](*args, **self._options)
+        kept = self._kept
+        if kept is None or kept[0] != _generation or kept[1] != aligned or kept[2] is None:
+            launch(self._kernel, self._grid, args, **self._options)
+            if _enabled and (kept is None or kept[0] != _generation or kept[1] != aligned):
+                key = launch_key(self._kernel, self._grid, args, self._options)
+                self._kept = (_generation, aligned, _launchers.get(key), _device(args))
             return
-        launch(self._kernel, self._grid, args, **self._options)
-        if _enabled:  # the key's entry, as that launch left it
-            self._launcher = _launchers.get(
-                launch_key(self._kernel, self._grid, args, self._options)
-            )
-            self._aligned = aligned
+        index = kept[3]
+        if index >= 0 and index != torch.cuda.current_device():  # as launch does
+            with torch.cuda.device(index):
+                self._call_kept(kept[2], args)
+        else:
+            self._call_kept(kept[2], args)
+
+    def _call_kept(self, launcher: Callable[..., Any], args: tuple) -> None:
+        try:
+            launcher(*args)
+        except Exception as exc:  # as in launch: Triton's JIT path from now on
+            _give_up(exc)
+            self._kernel[self._grid](*args, **self._options)
 
 
 def bind(
@@ -179,8 +204,9 @@ def bind(
 
 def _give_up(exc: Exception) -> None:
     """Turn the cache off for this process, with one warning saying why."""
-    global _enabled
+    global _enabled, _generation
     _enabled = False
+    _generation += 1
     _launchers.clear()
     warnings.warn(
         "fp8kit: calling a compiled Triton kernel's launcher directly failed, so fp8kit launches "
