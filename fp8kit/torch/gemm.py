@@ -9,7 +9,6 @@ zeros) before calling :func:`scaled_mm`.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -197,7 +196,6 @@ def fp8_gemm(
         ``(M, N)`` tensor of ``out_dtype``.
     """
     a_scale_inv, b_scale_inv = _scalar(a_scale_inv), _scalar(b_scale_inv)
-    no_autocast: contextlib.AbstractContextManager = contextlib.nullcontext()
     if a.is_cpu:
         if cpu_gemm_backend() == "dequant":
             return _dequant_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
@@ -205,17 +203,30 @@ def fp8_gemm(
         # torch.autocast would run in its dtype; cuBLASLt's FP8 GEMM is not autocast's.
         # Entered only when one is on: the context costs microseconds per GEMM.
         if torch.is_autocast_enabled("cpu"):
-            no_autocast = torch.autocast("cpu", enabled=False)
-    with no_autocast:
-        return torch._scaled_mm(
-            a,
-            b,
-            scale_a=a_scale_inv,
-            scale_b=b_scale_inv,
-            bias=bias,
-            out_dtype=out_dtype,
-            use_fast_accum=fast_accum,
-        )
+            with torch.autocast("cpu", enabled=False):
+                return _call_scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum)
+    return _call_scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum)
+
+
+def _call_scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+    fast_accum: bool,
+) -> torch.Tensor:
+    """One ``torch._scaled_mm`` (0-d scales), the call :func:`fp8_gemm` makes."""
+    return torch._scaled_mm(
+        a,
+        b,
+        scale_a=a_scale_inv,
+        scale_b=b_scale_inv,
+        bias=bias,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
 
 
 def fp8_gemm_bias(
