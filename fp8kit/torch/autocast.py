@@ -298,8 +298,10 @@ def register_forward_state(
 ) -> None:
     """Queue ``state`` for the forward update at the exit of the outermost enabled autocast.
 
-    Call it only for quantizations made with grad mode on (the module decides): under
-    ``torch.no_grad()`` the staging row keeps accumulating and nothing rolls. ``queued``: the
+    Called for every recording quantization, whatever the grad mode at the module call: the
+    exit of the outermost enabled autocast runs the event when grad mode (or calibration) is on
+    there, as Transformer Engine's does; under ``torch.no_grad()`` at the exit the staging row
+    keeps accumulating and nothing rolls (docs/semantics.md section 3). ``queued``: the
     :attr:`FP8Settings.forward_states` of the autocast the call runs in (the same queue, found
     at its entry), or None to look it up.
     """

@@ -275,10 +275,9 @@ class _Replay:
             )
         out = self.graphed(*args, **kwargs)
         grad = torch.is_grad_enabled()
-        # As in an eager call, forward states roll when training or calibrating.
-        if grad or calibrating:
-            for e in self.forward:
-                register_forward_state(e.state, e.recipe, e.group)
+        # As in an eager call, whatever the grad mode: the autocast's exit decides.
+        for e in self.forward:
+            register_forward_state(e.state, e.recipe, e.group)
         if not (grad and self.backward):
             return out
         # The replay runs no Python in backward: a hook on each output that takes a gradient

@@ -102,21 +102,19 @@ def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> 
     recorded recipe are bound once per recipe, and the last run: an autocast entered with the
     same arguments gives the same settings object each step (:class:`FP8Settings`), so the
     steady state returns that run after a few identity tests. A buffer replaced since (a
-    checkpoint loaded with another L) or another grad mode makes a new run. In a graph traced by
+    checkpoint loaded with another L) makes a new run. In a graph traced by
     ``torch.compile`` nothing is bound or cached here (binding reads device values and replaces
     buffers): the compiled cast binds at run time (docs/decisions/0233-torch-compile.md).
     """
     recipe = settings.recipe
-    training = settings.calibrating or torch.is_grad_enabled()
     if torch.compiler.is_compiling() or settings.replay is not None:
-        return _new_run(meta, settings, training)  # not kept: a replay's run holds its copies
+        return _new_run(meta, settings)  # not kept: a replay's run holds its copies
     last = cache.get("run")
     if (
         last is not None
         and last[0] is settings
         and last[1] is meta
         and last[2] == buffer_generation()
-        and last[3].training == training
     ):
         return last[3]
     if cache.get("recipe") is not recipe:
@@ -127,17 +125,16 @@ def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> 
         meta.forward.history_len != recipe.amax_history_len
     ):  # loaded from a checkpoint with another L since the last call
         bind_recipe(meta, recipe)
-    run = _new_run(meta, settings, training)
+    run = _new_run(meta, settings)
     cache["run"] = (settings, meta, buffer_generation(), run)
     return run
 
 
-def _new_run(meta: FP8Meta, settings: FP8Settings, training: bool) -> FP8Run:
+def _new_run(meta: FP8Meta, settings: FP8Settings) -> FP8Run:
     return FP8Run(
         settings.plan,
         settings.group,
         meta,
-        training,
         settings.fp8,
         settings.event_key,
         settings.forward_states,

@@ -30,7 +30,6 @@ __all__ = ["FP8Run", "quantize_slot"]
 class FP8Run:
     """Everything one FP8 forward call of a module needs: recipe plan, group and the module's meta.
 
-    ``training``: grad mode (or calibration) at the module call: forward states roll only then.
     ``fp8``: False in a calibration-only region: GEMMs run in high precision and the module only
     records amaxes (:meth:`record_forward`).
     ``event_key``: the autocast's integer key of ``(recipe, group)`` (the compiled op's handle).
@@ -43,7 +42,6 @@ class FP8Run:
     plan: RecipePlan
     group: Any
     meta: FP8Meta
-    training: bool
     fp8: bool = True
     event_key: int = 0
     forward_states: dict[int, ScalingState] | None = None
@@ -85,7 +83,8 @@ class FP8Run:
         state = self.meta.forward
         if self.replay is not None:
             return self.replay.quantize(x, self.plan, state, slot, transpose)
-        enrol_state = record and self.plan.delayed and self.training
+        # whatever the grad mode here: the autocast's exit decides (docs/semantics.md section 3)
+        enrol_state = record and self.plan.delayed
         if torch.compiler.is_compiling():
             return quantize_traced(
                 self.meta, self.event_key, x, slot, False, record, transpose, False, enrol_state
@@ -101,7 +100,7 @@ class FP8Run:
         """Fold ``max |x|`` (NaN ignored) into forward ``slot``'s staging entry, no cast."""
         if self.replay is not None:  # a recomputation records nothing
             return
-        meta, enrol_state = self.meta, self.plan.delayed and self.training
+        meta, enrol_state = self.meta, self.plan.delayed
         if torch.compiler.is_compiling():
             record_traced(meta, self.event_key, x.detach(), slot, enrol_state)
             return

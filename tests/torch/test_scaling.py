@@ -227,6 +227,29 @@ def test_no_grad_forward_accumulates_without_rolling() -> None:
     assert state.scale[INPUT].item() == 64.0
 
 
+def test_a_module_run_under_no_grad_inside_a_training_autocast_joins_its_event() -> None:
+    """A frozen teacher or backbone called under ``torch.no_grad()`` inside the training
+    autocast: the event is decided at the exit (grad mode on there), so its forward state rolls
+    with the others, as in Transformer Engine, whose modules join the autocast's buffers
+    whatever the grad mode (ADR 0263). Its backward state, never run, stays."""
+    frozen, head = f8.Linear(16, 16), f8.Linear(16, 16)
+    recipe = DelayedScaling(amax_history_len=4)
+    for amax in (7.0, 2.0):
+        with f8.autocast(recipe=recipe):
+            with torch.no_grad():
+                h = frozen(_x_with_amax(amax))
+            y = head(h)
+        y.sum().backward()
+    state = frozen.fp8_meta.forward
+    assert state.amax_history[:, INPUT].tolist() == [0, 0, 7, 2]
+    assert state.scale[INPUT].item() == 64.0 and state.update_count[INPUT].item() == 2
+    assert frozen.fp8_meta.backward.update_count.tolist() == [0, 0]
+    # no_grad around the autocast: its exit runs no event, the staging row keeps the max
+    with torch.no_grad(), f8.autocast(recipe=recipe):
+        frozen(_x_with_amax(5.0))
+    assert state.amax_history[:, INPUT].tolist() == [5, 0, 7, 2]
+
+
 def test_nested_autocast_updates_once_at_outermost_exit() -> None:
     layer = f8.Linear(16, 16)
     recipe = DelayedScaling(amax_history_len=4)
