@@ -34,7 +34,9 @@ __all__ = ["SummedObservationsError", "check_step", "combine_observations", "sta
 
 
 class SummedObservationsError(ValueError):
-    """Raised when JAX summed several observation chains of one meta instead of taking the max."""
+    """Raised when observations are not amaxes: JAX summed several observation chains of one
+    meta instead of taking the max, or a gradient transformation scaled them; also when a meta's
+    ``step`` shows that something other than :func:`update` changed it (an optimizer)."""
 
 
 _SUMMED_HELP = (
@@ -44,6 +46,24 @@ _SUMMED_HELP = (
     "cotangent (combine them with fp8kit.jax.combine_observations instead), jax.lax.scan / vmap "
     "closing over one meta (give each iteration its own meta, or carry it through the scan with "
     "dot_general_chained), or one meta used inside and outside one jax.checkpoint region."
+)
+
+
+_SCALED_HELP = (
+    "fp8kit: the observations of {where} were scaled (their chain count is not a whole number), "
+    "so they are not amaxes. This happens when the FP8 meta cotangent went through a gradient "
+    "transformation: dividing summed microbatch gradients by their number, gradient clipping or "
+    "any scaling of the whole gradient tree. Split the observations off before transforming the "
+    "gradients (fp8kit.jax.value_and_grad or fp8kit.jax.split_grads), and combine microbatches "
+    "with fp8kit.jax.combine_observations."
+)
+
+_STEPPED_HELP = (
+    "fp8kit: the FP8 meta at {where} has a step that is not a whole number, so something other "
+    "than fp8kit.jax.update changed it: most often an optimizer given the whole variable dict "
+    "(e.g. flax.training.train_state.TrainState.create(params=variables)) or the raw gradients of "
+    "it. Give the optimizer variables['params'] only, and the observations to fp8kit.jax.update "
+    "(fp8kit.jax.value_and_grad splits them off)."
 )
 
 
@@ -135,32 +155,65 @@ def _concrete(x: jax.Array) -> np.ndarray | None:
         return None
 
 
-def _raise_summed(worst: Any, where: str) -> None:
+def _raise_bad_chains(worst: Any, other: Any, stepped: Any, where: str) -> None:
+    """Raise for chain counts that are not 0 or 1 (``worst``: the largest; ``other``: whether
+    any is neither 0, 1 nor a sum of chains) or for a meta whose ``step`` is not a whole
+    number (``stepped``)."""
+    if bool(np.asarray(stepped)):
+        raise SummedObservationsError(_STEPPED_HELP.format(where=where))
     n = float(np.asarray(worst))
+    if bool(np.asarray(other)):
+        raise SummedObservationsError(_SCALED_HELP.format(where=where))
     if n > 1:
         raise SummedObservationsError(_SUMMED_HELP.format(where=where, n=int(n)))
 
 
-def _check_chains(paths: list[str], obs_list: list[Observations | None]) -> None:
+def _chain_faults(chains: Any) -> tuple[Any, Any]:
+    """``(largest count, whether any count is not a whole number >= 0)`` of one meta's chain
+    counts (numpy or traced)."""
+    flat = jnp.ravel(chains) if isinstance(chains, jax.Array) else np.ravel(chains)
+    lib = jnp if isinstance(flat, jax.Array) else np
+    worst = lib.max(flat, initial=0.0)
+    other = lib.any(~((flat >= 0) & (flat == lib.round(flat))))
+    return worst, other
+
+
+def _check_chains(
+    paths: list[str], obs_list: list[Observations | None], metas: list[Fp8Meta] | None = None
+) -> None:
+    """Refuse chain counts other than 0 and 1 (summed or scaled observations) and, with
+    ``metas``, a meta whose ``step`` is not a whole number (changed by an optimizer). Concrete
+    values raise here; under ``jax.jit`` one ``lax.cond`` raises from a host callback, only
+    when something is wrong (docs/jax.md, "Lowering")."""
     pairs = [(p, o.chains) for p, o in zip(paths, obs_list, strict=True) if o is not None]
-    if not pairs:
+    steps = [(p, m.step) for p, m in zip(paths, metas or [], strict=False)]
+    if not pairs and not steps:
         return
-    for path, chains in pairs:
-        value = _concrete(chains)
-        if value is None:
-            break
-        if value.size and float(value.max()) > 1:
-            _raise_summed(value.max(), path)
-    else:
+    concrete = [(p, _concrete(c)) for p, c in pairs + steps]
+    if all(v is not None for _, v in concrete):
+        for path, chains in pairs:
+            worst, other = _chain_faults(np.asarray(chains))
+            _raise_bad_chains(worst, other, False, path)
+        for path, step in steps:
+            if not np.all(np.asarray(step) == np.round(np.asarray(step))):
+                _raise_bad_chains(0.0, False, True, path)
         return
     # Traced (under jit): report from the host only when something is wrong.
-    worst = jnp.max(jnp.stack([jnp.max(c, initial=0.0) for _, c in pairs]))
-    where = "a module in this update" if len(pairs) > 1 else pairs[0][0]
+    faults = [_chain_faults(c) for _, c in pairs] or [(jnp.float32(0), jnp.bool_(False))]
+    worst = jnp.max(jnp.stack([jnp.asarray(w, jnp.float32) for w, _ in faults]))
+    other = jnp.any(jnp.stack([jnp.asarray(o) for _, o in faults]))
+    stepped = jnp.bool_(False)
+    for _, step in steps:
+        stepped = stepped | jnp.any(step != jnp.round(step))
+    named = {p for p, _ in pairs} | {p for p, _ in steps}
+    where = "a module in this update" if len(named) > 1 else next(iter(named))
     jax.lax.cond(
-        worst > 1,
-        lambda w: jax.debug.callback(_raise_summed, w, where),
-        lambda w: None,
+        (worst > 1) | other | stepped,
+        lambda w, o, s: jax.debug.callback(_raise_bad_chains, w, o, s, where),
+        lambda w, o, s: None,
         worst,
+        other,
+        stepped,
     )
 
 
@@ -211,8 +264,10 @@ def update(
             taken over the whole variable dict. None: only what was staged before.
         recipe: optional; if given it must equal every meta's recipe (use
             :func:`fp8kit.jax.with_recipe` to change the recipe of existing state).
-        check_chains: refuse observations that JAX summed (see :class:`SummedObservationsError`;
-            under ``jax.jit`` the error is raised from a host callback when the step runs).
+        check_chains: refuse observations that JAX summed or that a gradient transformation
+            scaled, and metas whose ``step`` an optimizer changed (see
+            :class:`SummedObservationsError`; under ``jax.jit`` the error is raised from a host
+            callback when the step runs).
 
     Returns:
         ``meta`` with every Fp8Meta advanced by one event (staging cleared, histories rolled where
@@ -241,7 +296,7 @@ def update(
                     f"{m.recipe.amax_history_len}; use fp8kit.jax.with_recipe to resize"
                 )
     if check_chains:
-        _check_chains([_path_str(p) for p, _ in metas], obs_list)
+        _check_chains([_path_str(p) for p, _ in metas], obs_list, [m for _, m in metas])
 
     new_metas = iter(_events([m for _, m in metas], obs_list))
     out = [next(new_metas) if isinstance(x, Fp8Meta) else x for _, x in flat]

@@ -258,6 +258,49 @@ def test_summed_observations_are_refused(operands) -> None:
     assert float(out.forward.amax_history[-1, 0]) == 2 * np.abs(x).max()
 
 
+def test_scaled_observations_are_refused(operands) -> None:
+    """A gradient transformation applied to a tree that still holds the meta cotangent (a mean
+    of microbatch gradients, clipping, any scaling) makes the chain count fractional: its
+    amaxes are no amaxes, so ``update`` refuses them, eagerly and under jit (ADR 0264). The
+    exact mean of n summed chains gives a count of 1 again and cannot be told apart."""
+    x, w, g = operands
+    meta = f8.init_meta(1, f8.DelayedScaling(amax_history_len=2))
+
+    def loss(meta, x):
+        return jnp.sum(f8.dot_general(x, w, DIMS, meta) * g)
+
+    grads = jax.grad(loss)(meta, x)
+    for factor in (0.5, 1 / 3, 1.5):
+        scaled = jax.tree.map(lambda t, f=factor: t * f, grads)
+        with pytest.raises(f8.SummedObservationsError, match="were scaled"):
+            f8.update(meta, scaled)
+        with pytest.raises(jax.errors.JaxRuntimeError, match=r"were scaled"):
+            jax.block_until_ready(jax.jit(f8.update)(meta, scaled))
+    doubled = jax.tree.map(lambda t: t * 2, grads)  # a whole count: read as two summed chains
+    with pytest.raises(f8.SummedObservationsError, match="summed by JAX over 2"):
+        f8.update(meta, doubled)
+    f8.update(meta, grads)  # the untouched cotangent passes
+
+
+def test_a_meta_changed_by_an_optimizer_is_refused(operands) -> None:
+    """An optimizer given the whole variable tree (TrainState.create(params=variables), raw
+    gradients) moves the meta's leaves: a step that is no whole number says so, and ``update``
+    refuses it (ADR 0264)."""
+    x, w, g = operands
+    meta = f8.init_meta(1, f8.DelayedScaling(amax_history_len=2))
+
+    def loss(meta, x):
+        return jnp.sum(f8.dot_general(x, w, DIMS, meta) * g)
+
+    grads = jax.grad(loss)(meta, x)
+    moved = jax.tree.map(lambda p, d: p - 1e-3 * d, meta, grads)  # one SGD step on everything
+    with pytest.raises(f8.SummedObservationsError, match="step that is not a whole number"):
+        f8.update(moved, grads)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="step that is not a whole number"):
+        jax.block_until_ready(jax.jit(f8.update)(moved, grads))
+    assert float(f8.update(meta, grads).step) == 1.0
+
+
 def test_a_meta_broadcast_by_vmap_is_refused(operands) -> None:
     """vmap over examples with one meta closed over: JAX sums the per-example amaxes (1 + 7 is
     no amax) and, since the chain count carries the batch dimension, the count as well."""
