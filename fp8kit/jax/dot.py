@@ -69,7 +69,7 @@ from fp8kit.matmul_args import SECOND_DERIVATIVE_ERROR
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from fp8kit.unset import UNSET
 
-__all__ = ["dot_general", "dot_general_chained", "varying_axes"]
+__all__ = ["chain_ends", "dot_general", "dot_general_chained", "varying_axes"]
 
 DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], ...]]
 
@@ -630,6 +630,26 @@ def dot_general_chained(
 _CHAINS: weakref.WeakKeyDictionary[Fp8Meta, tuple[Any, Fp8Meta]] = weakref.WeakKeyDictionary()
 
 
+def _chain_end(meta: Fp8Meta, trace: Any) -> Fp8Meta:
+    """The meta returned by the last call of ``meta``'s chain in ``trace`` (``meta`` itself
+    when no call used it there)."""
+    head = meta
+    seen = _CHAINS.get(head)
+    while seen is not None and seen[0] == trace:
+        head = seen[1]
+        seen = _CHAINS.get(head)
+    return head
+
+
+def chain_ends(metas: list[Fp8Meta]) -> list[Fp8Meta]:
+    """For each of ``metas`` that an FP8 call used in the current trace, the meta its chain's
+    last call returned (:func:`fp8kit.jax.value_and_grad` ties these to the loss, so that every
+    call's backward rule runs and reports its amaxes, docs/decisions/0264)."""
+    trace = jex_core.get_opaque_trace_state(convention="fp8kit")
+    ends = [_chain_end(m, trace) for m in metas]
+    return [end for end, m in zip(ends, metas, strict=True) if end is not m]
+
+
 def dot_general(
     lhs: Any,
     rhs: Any,
@@ -680,11 +700,7 @@ def dot_general_joined(
     call only: the meta returned keeps the meta's own (a static field, part of the state's
     tree)."""
     trace = jex_core.get_opaque_trace_state(convention="fp8kit")
-    head = meta
-    seen = _CHAINS.get(head) if isinstance(head, Fp8Meta) else None
-    while seen is not None and seen[0] == trace:
-        head = seen[1]
-        seen = _CHAINS.get(head)
+    head = _chain_end(meta, trace) if isinstance(meta, Fp8Meta) else meta
     # not a meta: dot_general_chained names the wrong argument
     run = head.with_reduction_axes(amax_reduction_axes) if isinstance(head, Fp8Meta) else head
     out, meta_out = dot_general_chained(lhs, rhs, dimension_numbers, run, **kwargs)

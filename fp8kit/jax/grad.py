@@ -13,10 +13,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
+from fp8kit.jax.dot import chain_ends
 from fp8kit.jax.meta import Fp8Meta, is_meta, observations_of
 
-__all__ = ["check_argnums", "split_grads", "value_and_grad"]
+__all__ = ["check_argnums", "split_grads", "value_and_grad", "with_chain_ends"]
 
 
 def _drop_empty(tree: Any) -> Any:
@@ -70,6 +72,26 @@ def check_argnums(argnums: Any) -> tuple[int, ...]:
     return tuple(nums)
 
 
+@jax.custom_vjp
+def with_chain_ends(loss: jax.Array, ends: list[Fp8Meta]) -> jax.Array:
+    """``loss`` itself, made to depend on the chain ends ``ends`` for differentiation only: their
+    cotangent is zeros (never a symbolic zero), so the backward rule of each chain's last call
+    runs, and reports its forward amaxes, even when that call's output reaches the loss through
+    ``stop_gradient`` only, or the aux output (docs/decisions/0264)."""
+    return loss
+
+
+def with_chain_ends_fwd(loss: jax.Array, ends: list[Fp8Meta]) -> tuple[jax.Array, Any]:
+    return loss, ends
+
+
+def with_chain_ends_bwd(ends: list[Fp8Meta], g: jax.Array) -> tuple[jax.Array, Any]:
+    return g, jax.tree_util.tree_map(jnp.zeros_like, ends)
+
+
+with_chain_ends.defvjp(with_chain_ends_fwd, with_chain_ends_bwd)
+
+
 def value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -87,10 +109,28 @@ def value_and_grad(
         ``(loss, aux)``; ``grads`` has no FP8 leaves; ``observations`` mirrors the differentiated
         arguments with an ``Observations`` at every meta, ready for :func:`fp8kit.jax.update`.
     """
-    check_argnums(argnums)
+    nums = check_argnums(argnums)
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be a bool, got {has_aux!r}")
-    inner = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+    @functools.wraps(fun)
+    def observed(*args: Any, **kwargs: Any) -> Any:
+        result = fun(*args, **kwargs)
+        metas = [
+            leaf
+            for i in nums
+            for leaf in jax.tree_util.tree_leaves(args[i], is_leaf=is_meta)
+            if isinstance(leaf, Fp8Meta)
+        ]
+        ends = chain_ends(metas)
+        if not ends:
+            return result
+        if has_aux:
+            loss, aux = result
+            return with_chain_ends(loss, ends), aux
+        return with_chain_ends(result, ends)
+
+    inner = jax.value_and_grad(observed, argnums=argnums, has_aux=has_aux)
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:

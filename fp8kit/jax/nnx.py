@@ -8,6 +8,7 @@ apply the observations in place with :func:`update`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -20,7 +21,7 @@ from jax import lax
 
 from fp8kit.jax.autocast import resolve_defaults
 from fp8kit.jax.dot import dot_general_chained
-from fp8kit.jax.grad import check_argnums, split_grads
+from fp8kit.jax.grad import check_argnums, split_grads, with_chain_ends
 from fp8kit.jax.meta import Fp8Meta, init_meta
 from fp8kit.jax.quantization import check_high_precision, master_weight
 from fp8kit.jax.updates import update as _update_tree
@@ -146,8 +147,27 @@ def value_and_grad(
     """
     nums = check_argnums(argnums)
     diff = tuple(nnx.DiffState(n, nnx.Any(nnx.Param, Fp8MetaVariable)) for n in nums)
+
+    @functools.wraps(fun)
+    def observed(*args: Any, **kwargs: Any) -> Any:
+        # The layers wrote each chain's last meta back into their variables: tie those to the
+        # loss, so every call reports its amaxes (docs/decisions/0264).
+        result = fun(*args, **kwargs)
+        ends = [
+            var.get_value()
+            for n in nums
+            if isinstance(args[n], nnx.Module)
+            for _, var in nnx.to_flat_state(nnx.state(args[n], Fp8MetaVariable))
+        ]
+        if not ends:
+            return result
+        if has_aux:
+            loss, aux = result
+            return with_chain_ends(loss, ends), aux
+        return with_chain_ends(result, ends)
+
     inner = nnx.value_and_grad(
-        fun, argnums=diff[0] if isinstance(argnums, int) else diff, has_aux=has_aux
+        observed, argnums=diff[0] if isinstance(argnums, int) else diff, has_aux=has_aux
     )
 
     def split(state: Any) -> tuple[Any, Any]:

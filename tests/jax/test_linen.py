@@ -269,6 +269,40 @@ class _Unrolled(nn.Module):
         return x
 
 
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("kind", ["target after", "target before", "aux only"])
+def test_a_call_whose_output_reaches_the_loss_only_through_stop_gradient_is_observed(
+    kind: str, jit: bool
+) -> None:
+    """A target or teacher pass (``stop_gradient``) and a call that feeds only the aux output
+    record their amaxes like any other call, whatever their place in the chain: value_and_grad
+    ties every chain's last meta to the loss (ADR 0264). Before, the last call of a chain whose
+    output had no cotangent was lost, so the result depended on the call order."""
+    x = jnp.asarray(random_fp8_friendly(np.random.default_rng(3), (8, 16)))
+    with f8.autocast(recipe=f8.DelayedScaling(amax_history_len=4)):
+        layer = DenseGeneral(features=16)
+        variables = layer.init(jax.random.PRNGKey(1), x)
+
+    def loss(v):
+        if kind == "target before":
+            target = jax.lax.stop_gradient(layer.apply(v, 10 * x))
+            return jnp.mean((layer.apply(v, x) - target) ** 2)
+        y, target = layer.apply(v, x), layer.apply(v, 10 * x)
+        if kind == "aux only":
+            return jnp.mean(y**2), target
+        return jnp.mean((y - jax.lax.stop_gradient(target)) ** 2)
+
+    grad_fn = f8.value_and_grad(loss, has_aux=kind == "aux only")
+    _, grads, obs = (jax.jit(grad_fn) if jit else grad_fn)(variables)
+    meta_obs = jax.tree.leaves(obs, is_leaf=lambda o: isinstance(o, f8.Observations))[0]
+    assert float(meta_obs.forward[0]) == float(jnp.max(jnp.abs(10 * x)))
+    assert float(meta_obs.chains) == 1.0  # one chain, as for any reused layer
+    _, want, _ = f8.value_and_grad(lambda v: jnp.mean(layer.apply(v, x) ** 2))(variables)
+    if kind == "aux only":  # the gradients themselves are those of the loss alone
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_a_scan_without_fp8_meta_in_variable_axes_says_so_at_init() -> None:
     """The usual ``variable_axes={"params": 0}`` of a converted stack leaves the FP8 collection
     read-only inside the scan: init's error says where to add it (it asked for init's

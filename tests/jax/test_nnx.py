@@ -177,3 +177,20 @@ def test_value_and_grad_over_a_model_and_an_array() -> None:
 def test_value_and_grad_refuses_bad_argnums(argnums) -> None:
     with pytest.raises(TypeError, match="argnums must be an int or a non-empty sequence"):
         value_and_grad(lambda m: 0.0, argnums=argnums)
+
+
+def test_a_teacher_pass_under_stop_gradient_is_observed() -> None:
+    """A layer's second call feeds the loss only through ``stop_gradient`` (a target): its
+    amaxes are observed all the same (ADR 0264); before, the chain's last call was lost."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(random_fp8_friendly(rng, (6, 8)))
+    with f8.autocast(recipe=RECIPE):
+        layer = Linear(8, 8, rngs=nnx.Rngs(0))
+
+    def loss_fn(layer):
+        return jnp.mean((layer(x) - jax.lax.stop_gradient(layer(10 * x))) ** 2)
+
+    _, _, obs = value_and_grad(loss_fn)(layer)
+    got = obs[("fp8_meta",)]
+    assert float(got.forward[0]) == float(jnp.max(jnp.abs(10 * x)))
+    assert float(got.chains) == 1.0
