@@ -200,6 +200,38 @@ def test_reused_layer_records_the_max_of_its_calls_in_one_event(rng) -> None:
     np.testing.assert_array_equal(scale_f[:2], np.float32(448) / np.float32(want_f[:2]))
 
 
+@pytest.mark.parametrize("target_first", [False, True])
+def test_a_reused_layers_target_call_under_stop_gradient_is_observed(rng, target_first) -> None:
+    """A target branch (``tf.stop_gradient`` on one call's output) records its input amax in
+    the step's event whatever the call order: the chain carries the running max of its calls'
+    forward amaxes to the head's backward (ADR 0264). Before, a target call made last was lost.
+    Its output gradient, never computed, adds nothing to the backward amax."""
+    recipe = f8.DelayedScaling(amax_history_len=2)
+    w = random_fp8_friendly(rng, (8, 8), 0.1)
+    layer = dense(8, w, np.zeros(8, np.float32), recipe)
+    a, c = random_fp8_friendly(rng, (4, 8)), random_fp8_friendly(rng, (4, 8), 8.0)
+    ga = random_fp8_friendly(rng, (4, 8))
+
+    @tf.function(jit_compile=True)
+    def step(a, c):
+        with tf.GradientTape() as tape:
+            if target_first:
+                target = tf.stop_gradient(layer(c, training=True))
+                y = layer(a, training=True)
+            else:
+                y = layer(a, training=True)
+                target = tf.stop_gradient(layer(c, training=True))
+            loss = tf.reduce_sum((y - target) * ga)
+        return tape.gradient(loss, layer.kernel)
+
+    step(tf.constant(a), tf.constant(c))
+    hist_f, _, count_f, hist_b, _, _, _ = state_arrays(layer)
+    want_f = [max(np.abs(a).max(), np.abs(c).max()), np.abs(w).max(), 0]
+    np.testing.assert_array_equal(hist_f[-1], np.float32(want_f))
+    np.testing.assert_array_equal(hist_b[-1], np.float32([np.abs(ga).max(), 0]))
+    np.testing.assert_array_equal(count_f, [1, 1, 0])
+
+
 def test_eager_reused_layer_backward_keeps_its_forward_scales() -> None:
     """Eager TF runs one update event per call's backward. In ``f(0.3 * f(x))`` the outer
     call's backward runs first (dY = 1000: scale 1, E5M2 1024, then its event sets the scale to

@@ -33,7 +33,8 @@ from fp8kit.recipe import DelayedScaling
 
 __all__ = ["fp8_einsum", "replica_max"]
 
-# Per traced graph: {(id(state), id(replica context)): token of the latest call}.
+# Per traced graph: {(id(state), id(replica context), taped): (token of the latest call, running
+# max of the chain's forward amaxes)}.
 _CHAINS: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], Any]] = weakref.WeakKeyDictionary()
 
 
@@ -132,13 +133,13 @@ def fp8_einsum(
     slot = _chain_slot(state, taped)
     previous = None if slot is None else slot[0].get(slot[1])
     is_head = previous is None
-    token_in = tf.zeros((state.num_observations,), tf.float32) if is_head else previous
+    token_in = tf.zeros((state.num_observations,), tf.float32) if is_head else previous[0]
 
     @tf.custom_gradient
     def observed(x: tf.Tensor, w: tf.Tensor, token: tf.Tensor) -> Any:
         y, saved, fwd_obs = gemm.forward(plan, x, w, fwd_scale, fwd_count, out_dtype)
 
-        def grad(dy: tf.Tensor, dtoken: tf.Tensor | None) -> tuple[Any, ...]:
+        def grad(dy: tf.Tensor, dtoken: tf.Tensor | None, *_: Any) -> tuple[Any, ...]:
             dx, dw, bwd_obs = gemm.backward(plan, dy, saved, bwd_scale, bwd_count, x_dtype, w_dtype)
             dx, dw = _first_derivatives_only(dx, dw, x, w, dy)
             amaxes = tf.concat([fwd_obs, bwd_obs], axis=0)
@@ -147,15 +148,21 @@ def fp8_einsum(
             if not is_head:
                 return dx, dw, amaxes
             if slot is not None:  # the step's backward is traced: a later call starts anew
-                slot[0].pop(slot[1], None)
+                latest = slot[0].pop(slot[1], None)
+                if latest is not None:
+                    # the forward amaxes of every call of the chain, also of a last call whose
+                    # backward never runs (its output under tf.stop_gradient; decision 0264)
+                    pad = tf.zeros_like(bwd_obs)
+                    amaxes = tf.maximum(amaxes, tf.concat([latest[1], pad], axis=0))
             _observe_in_replica(state, amaxes, plan.recipe)
             return dx, dw, tf.zeros_like(token)
 
-        return (y, tf.identity(token)), grad
+        return (y, tf.identity(token), tf.stop_gradient(fwd_obs)), grad
 
-    y, token_out = observed(x, w, token_in)
-    if slot is not None:
-        slot[0][slot[1]] = token_out
+    y, token_out, fwd_obs = observed(x, w, token_in)
+    if slot is not None:  # the token, and the running max of the chain's forward amaxes
+        fwd_max = fwd_obs if is_head else tf.maximum(previous[1], fwd_obs)
+        slot[0][slot[1]] = (token_out, fwd_max)
     return y
 
 
