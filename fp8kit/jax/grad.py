@@ -81,15 +81,15 @@ def with_chain_ends(loss: jax.Array, ends: list[Fp8Meta]) -> jax.Array:
     return loss
 
 
-def with_chain_ends_fwd(loss: jax.Array, ends: list[Fp8Meta]) -> tuple[jax.Array, Any]:
+def _with_chain_ends_fwd(loss: jax.Array, ends: list[Fp8Meta]) -> tuple[jax.Array, Any]:
     return loss, ends
 
 
-def with_chain_ends_bwd(ends: list[Fp8Meta], g: jax.Array) -> tuple[jax.Array, Any]:
+def _with_chain_ends_bwd(ends: list[Fp8Meta], g: jax.Array) -> tuple[jax.Array, Any]:
     return g, jax.tree_util.tree_map(jnp.zeros_like, ends)
 
 
-with_chain_ends.defvjp(with_chain_ends_fwd, with_chain_ends_bwd)
+with_chain_ends.defvjp(_with_chain_ends_fwd, _with_chain_ends_bwd)
 
 
 def value_and_grad(

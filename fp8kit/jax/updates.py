@@ -156,9 +156,9 @@ def _concrete(x: jax.Array) -> np.ndarray | None:
 
 
 def _raise_bad_chains(worst: Any, other: Any, stepped: Any, where: str) -> None:
-    """Raise for chain counts that are not 0 or 1 (``worst``: the largest; ``other``: whether
-    any is neither 0, 1 nor a sum of chains) or for a meta whose ``step`` is not a whole
-    number (``stepped``)."""
+    """Raise for a meta whose ``step`` is not a whole number (``stepped``), for chain counts
+    that are not whole numbers >= 0 (``other``: scaled observations) or above 1 (``worst``, the
+    largest: summed ones)."""
     if bool(np.asarray(stepped)):
         raise SummedObservationsError(_STEPPED_HELP.format(where=where))
     n = float(np.asarray(worst))
@@ -186,7 +186,7 @@ def _check_chains(
     values raise here; under ``jax.jit`` one ``lax.cond`` raises from a host callback, only
     when something is wrong (docs/jax.md, "Lowering")."""
     pairs = [(p, o.chains) for p, o in zip(paths, obs_list, strict=True) if o is not None]
-    steps = [(p, m.step) for p, m in zip(paths, metas or [], strict=False)]
+    steps = [] if metas is None else [(p, m.step) for p, m in zip(paths, metas, strict=True)]
     if not pairs and not steps:
         return
     concrete = [(p, _concrete(c)) for p, c in pairs + steps]
