@@ -35,7 +35,9 @@ __all__ = ["fp8_einsum", "replica_max"]
 
 # Per traced graph: {(id(state), id(replica context), taped): (token of the latest call, running
 # max of the chain's forward amaxes)}.
-_CHAINS: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], Any]] = weakref.WeakKeyDictionary()
+_CHAINS: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, bool], Any]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def replica_max(amaxes: tf.Tensor, recipe: Any) -> tf.Tensor:
