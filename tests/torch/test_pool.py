@@ -6,6 +6,7 @@ import copy
 import gc
 import random
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling
+from fp8kit.torch import distributed
 from fp8kit.torch.state import ScalingState, registry_for, update_states
 from fp8kit.torch.state.apply import GPU_CHECK_INTERVAL, NonfiniteAmaxWarning
 from fp8kit.torch.state.pool import StatePool
@@ -199,3 +201,29 @@ def test_state_constructors_name_a_bad_size() -> None:
     for make, error, message in cases:
         with pytest.raises(error, match=message):
             make()
+
+
+class _Group:
+    """Stands in for a process group object (they take weak references)."""
+
+
+def test_a_registry_holds_the_process_group_it_verified_over_weakly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A verified layout remembers its group weakly: a group kept alive after
+    ``destroy_process_group()`` is freed by gloo's threads at interpreter exit, which aborted
+    about one run in fifteen (ADR 0265)."""
+    checks: list[object] = []
+    monkeypatch.setattr(distributed, "check_layout", lambda *args: checks.append(args[1]))
+    monkeypatch.setattr(distributed, "collective_device", lambda group, device: device)
+    recipe = DelayedScaling(amax_history_len=2)
+    state = ScalingState(3, history_len=2)
+    registry = registry_for(recipe, None, "forward", torch.device("cpu"), partition=7)
+    registry.register(state)
+    group = _Group()
+    registry._verify([state], torch.device("cpu"), group)
+    assert registry._verified_pg() is group
+    alive = weakref.ref(group)
+    del group
+    gc.collect()
+    assert alive() is None and registry._verified_pg() is None

@@ -49,6 +49,15 @@ DIRECTIONS = ("forward", "backward")
 _TRAILER = 3  # changed flag, fingerprint, -fingerprint
 
 
+def _weakly(obj: Any) -> Any:
+    """A function of no arguments returning ``obj``: a weak reference where ``obj`` takes one
+    (process groups do), else a strong one."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
 def update_states(
     states: Sequence[ScalingState],
     recipe: DelayedScaling,
@@ -219,7 +228,11 @@ class StateRegistry:
         self._membership_changed = True  # the pool must be rebuilt
         self._changed = True  # the layout must be re-checked across ranks
         self._verified: Layout | None = None  # the layout every rank last agreed on
-        self._verified_pg: Any = None  # the process group object it was agreed over
+        # The process group it was agreed over, held weakly: a group kept alive past
+        # destroy_process_group() is freed by gloo's threads at interpreter exit, which
+        # aborted about one run in fifteen
+        # (docs/decisions/0265-weak-process-group-and-distributed-audit.md).
+        self._verified_pg: Any = None
         # The reduction trailers of the verified layout, by (changed flag, device).
         self._trailers: dict[tuple[bool, torch.device], torch.Tensor] = {}
         # The verified layout's reduction buffer by device, with its staging-row and trailer
@@ -290,7 +303,7 @@ class StateRegistry:
         distributed.check_layout(
             layout, self.group, distributed.collective_device(self.group, device)
         )
-        self._verified, self._verified_pg, self._changed = layout, pg, False
+        self._verified, self._verified_pg, self._changed = layout, _weakly(pg), False
         self._trailers, self._buffers = {}, {}
         return layout
 
@@ -415,7 +428,7 @@ class StateRegistry:
         """``staging`` all-reduced (MAX) over the group, checking layouts where they changed."""
         device = staging.device
         pg = distributed.resolve_group(self.group)
-        if self._verified is None or self._verified_pg is not pg:
+        if self._verified is None or self._verified_pg is None or self._verified_pg() is not pg:
             return self._reduce(staging, self._verify(self.states(), device, pg), device)[0]
         reduced, flagged = self._reduce(None if self._changed else staging, self._verified, device)
         if flagged:
