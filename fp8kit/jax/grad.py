@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from fp8kit.jax.dot import chain_ends
 from fp8kit.jax.meta import Fp8Meta, is_meta, observations_of
 
-__all__ = ["check_argnums", "split_grads", "value_and_grad", "with_chain_ends"]
+__all__ = ["check_argnums", "split_grads", "tie_chain_ends", "value_and_grad", "with_chain_ends"]
 
 
 def _drop_empty(tree: Any) -> Any:
@@ -92,6 +92,17 @@ def _with_chain_ends_bwd(ends: list[Fp8Meta], g: jax.Array) -> tuple[jax.Array, 
 with_chain_ends.defvjp(_with_chain_ends_fwd, _with_chain_ends_bwd)
 
 
+def tie_chain_ends(result: Any, ends: list[Fp8Meta], has_aux: bool) -> Any:
+    """The loss function's ``result`` (``loss`` or ``(loss, aux)``) with the loss tied to the
+    chain ends ``ends`` (:func:`with_chain_ends`; unchanged when there are none)."""
+    if not ends:
+        return result
+    if has_aux:
+        loss, aux = result
+        return with_chain_ends(loss, ends), aux
+    return with_chain_ends(result, ends)
+
+
 def value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -122,13 +133,7 @@ def value_and_grad(
             for leaf in jax.tree_util.tree_leaves(args[i], is_leaf=is_meta)
             if isinstance(leaf, Fp8Meta)
         ]
-        ends = chain_ends(metas)
-        if not ends:
-            return result
-        if has_aux:
-            loss, aux = result
-            return with_chain_ends(loss, ends), aux
-        return with_chain_ends(result, ends)
+        return tie_chain_ends(result, chain_ends(metas), has_aux)
 
     inner = jax.value_and_grad(observed, argnums=argnums, has_aux=has_aux)
 

@@ -21,7 +21,7 @@ from jax import lax
 
 from fp8kit.jax.autocast import resolve_defaults
 from fp8kit.jax.dot import dot_general_chained
-from fp8kit.jax.grad import check_argnums, split_grads, with_chain_ends
+from fp8kit.jax.grad import check_argnums, split_grads, tie_chain_ends
 from fp8kit.jax.meta import Fp8Meta, init_meta
 from fp8kit.jax.quantization import check_high_precision, master_weight
 from fp8kit.jax.updates import update as _update_tree
@@ -159,12 +159,7 @@ def value_and_grad(
             if isinstance(args[n], nnx.Module)
             for _, var in nnx.to_flat_state(nnx.state(args[n], Fp8MetaVariable))
         ]
-        if not ends:
-            return result
-        if has_aux:
-            loss, aux = result
-            return with_chain_ends(loss, ends), aux
-        return with_chain_ends(result, ends)
+        return tie_chain_ends(result, ends, has_aux)
 
     inner = nnx.value_and_grad(
         observed, argnums=diff[0] if isinstance(argnums, int) else diff, has_aux=has_aux

@@ -5,6 +5,7 @@ reference, bit for bit."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -317,6 +318,18 @@ def test_a_launch_site_whose_launcher_raises_turns_the_cache_off(
     assert not triton_launch.fast_launch_enabled()
 
 
+def _stand_in_cast_kernels(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, dict[str, _Kernel]]:
+    """``triton_cast`` with its three cast kernels replaced by stand-ins (skips without
+    triton), and the stand-ins by name."""
+    triton_cast = pytest.importorskip("fp8kit.torch.kernels.triton_cast")
+    if not triton_cast.triton_available():
+        pytest.skip("triton is not installed")
+    kernels = {n: _Kernel() for n in ("_cast_1d_kernel", "_cast_2d_kernel", "_dbias_kernel")}
+    for name, kernel in kernels.items():
+        monkeypatch.setattr(triton_cast, name, kernel)
+    return triton_cast, kernels
+
+
 def _roles(args: tuple, named: dict[str, torch.Tensor], result: object) -> list[object]:
     """``args`` with each tensor replaced by its role: a name from ``named`` (the bound and input
     tensors), a field of ``result`` (the outputs), or an index of first appearance with its dtype
@@ -347,12 +360,7 @@ def test_a_prepared_slot_cast_launches_what_cast_launches(
     """With stand-in kernels: a delayed-scaling slot's planned cast passes every kernel the
     arguments ``triton_cast.cast`` passes (same scalars, same tensors in the same roles), then
     calls the kept launchers for fresh inputs and outputs."""
-    triton_cast = pytest.importorskip("fp8kit.torch.kernels.triton_cast")
-    if not triton_cast.triton_available():
-        pytest.skip("triton is not installed")
-    kernels = {n: _Kernel() for n in ("_cast_1d_kernel", "_cast_2d_kernel", "_dbias_kernel")}
-    for name, kernel in kernels.items():
-        monkeypatch.setattr(triton_cast, name, kernel)
+    triton_cast, kernels = _stand_in_cast_kernels(monkeypatch)
     spec = triton_cast.cast_spec(E4M3, torch.empty(0, dtype=dtype))
     scale, amax_out = torch.full((4,), 2.0)[1:2], torch.zeros(3)[2:3]
     x = torch.randn(96, 80).to(dtype)
@@ -463,12 +471,7 @@ def test_a_planned_cast_flags_every_tensor_that_changes(monkeypatch: pytest.Monk
     """Every tensor argument of a planned launch but the slot's bound ``scale`` and
     ``amax_out`` is new at each call, so its alignment must be part of the pattern the kept
     launcher is chosen by; a misaligned input takes a new pattern (a launch through Triton)."""
-    triton_cast = pytest.importorskip("fp8kit.torch.kernels.triton_cast")
-    if not triton_cast.triton_available():
-        pytest.skip("triton is not installed")
-    kernels = {n: _Kernel() for n in ("_cast_1d_kernel", "_cast_2d_kernel", "_dbias_kernel")}
-    for name, kernel in kernels.items():
-        monkeypatch.setattr(triton_cast, name, kernel)
+    triton_cast, kernels = _stand_in_cast_kernels(monkeypatch)
     checked: list[torch.Tensor] = []
     real_aligned = triton_cast._aligned
     monkeypatch.setattr(
