@@ -135,22 +135,34 @@ class Layout:
         recipe: the recipe as canonical JSON (callables by ``module:qualname``).
         history_len: ``L`` of every state.
         slot_counts: slots per registered state, in registration order (one entry per module).
+        forward_slots: for a backward layout, the staging-row length of the verified forward
+            layout of the same (recipe, group) where there is one (else 0): the length a
+            backward buffer is padded to (:attr:`padding`).
     """
 
     direction: str
     recipe: str
     history_len: int
     slot_counts: tuple[int, ...]
+    forward_slots: int = 0
 
     def __post_init__(self) -> None:
         if self.direction not in _DIRECTIONS:
             raise ValueError(f"direction must be one of {_DIRECTIONS}, got {self.direction!r}")
 
     @classmethod
-    def of(cls, direction: str, recipe: DelayedScaling, slot_counts: Sequence[int]) -> Layout:
-        """The layout of states with ``slot_counts`` under ``recipe``."""
+    def of(
+        cls,
+        direction: str,
+        recipe: DelayedScaling,
+        slot_counts: Sequence[int],
+        forward_slots: int = 0,
+    ) -> Layout:
+        """The layout of states with ``slot_counts`` under ``recipe`` (``forward_slots``: see
+        the class doc)."""
         text = json.dumps(recipe.to_dict(), sort_keys=True)
-        return cls(direction, text, recipe.amax_history_len, tuple(int(n) for n in slot_counts))
+        counts = tuple(int(n) for n in slot_counts)
+        return cls(direction, text, recipe.amax_history_len, counts, int(forward_slots))
 
     @property
     def num_states(self) -> int:
@@ -164,11 +176,15 @@ class Layout:
     @property
     def padding(self) -> int:
         """Zeros a reduction buffer carries after the staging row: a backward row (2 slots per
-        GEMM) is padded to a forward row's length (3 per GEMM), so ranks at a forward and a
-        backward event of the same modules (one skipped a backward pass) all-reduce buffers of
-        one size and the fingerprint names the mismatch. Buffers of different sizes would abort
-        gloo or hang NCCL instead (docs/distributed.md, "What breaking a rule does")."""
-        return self.num_slots // 2 if self.direction == "backward" else 0
+        GEMM) is padded to the forward row's length, so ranks at a forward and a backward event
+        (one skipped a backward pass) all-reduce buffers of one size and the fingerprint names
+        the mismatch. Buffers of different sizes would abort gloo or hang NCCL instead
+        (docs/distributed.md, "What breaking a rule does"). The forward row is the verified
+        forward layout's (``forward_slots``), which also counts modules that run forward only
+        (a frozen teacher, decision 0265); without one, 3 slots per GEMM of the same modules."""
+        if self.direction != "backward":
+            return 0
+        return max(self.num_slots // 2, self.forward_slots - self.num_slots)
 
     @functools.cached_property
     def fingerprint(self) -> int:
@@ -185,6 +201,7 @@ class Layout:
             self.history_len,
             zlib.crc32(self.recipe.encode()),
             self.fingerprint,
+            self.forward_slots,
         ]
 
     def describe(self) -> dict[str, Any]:

@@ -727,6 +727,31 @@ def job_four_ranks(rank: int, world: int, workdir: str) -> dict[str, Any]:
     return run_scenarios(SCENARIOS_4, rank, world, workdir)
 
 
+def job_skipped_backward_with_a_frozen_teacher(
+    rank: int, world: int, workdir: str
+) -> dict[str, Any]:
+    """:func:`scenario_skipped_backward` with a frozen teacher called under ``torch.no_grad()``
+    inside the training autocast: it joins the forward events only (decision 0263), so the
+    backward buffer must be padded to the forward buffer's length, not to 3 slots per GEMM of
+    the backward's own modules, for the skipped pass to meet a buffer of its size (ADR 0265).
+    A job of its own: the ranks are out of step for good after the error."""
+    torch.manual_seed(0)
+    teacher, student = f8.Linear(16, 16), f8.Linear(16, 16)
+    recipe = _recipe(23)
+    message = None
+    try:
+        for step in range(3):
+            with f8.autocast(recipe=recipe):
+                with torch.no_grad():
+                    target = teacher(_x(2.0))
+                y = student(_x(1.0))
+            if not (step == 1 and rank == 0):
+                (y - target).square().sum().backward()
+    except AmaxReductionError as exc:
+        message = str(exc)
+    return {"message": message}
+
+
 def job_rank_never_arrives(rank: int, world: int, workdir: str) -> dict[str, Any]:
     """Rank 1 never reaches the update event; rank 0 must fail within the group timeout."""
     release = Path(workdir) / "release"

@@ -37,6 +37,7 @@ from tests.torch.dist_scenarios import (
     MOE_PATTERN_4,
     job_four_ranks,
     job_rank_never_arrives,
+    job_skipped_backward_with_a_frozen_teacher,
     job_two_ranks,
     mlp,
     moe_amax,
@@ -361,6 +362,19 @@ def test_example_trains_with_ddp_and_fsdp2(two: list) -> None:
     losses = scenario_result(two, "scenario_example")[0]
     # Same data, same initial weights, same FP8 states: the wrappers agree closely.
     assert math.isfinite(losses["ddp"]) and losses["ddp"] == pytest.approx(losses["fsdp2"], 1e-4)
+
+
+def test_a_skipped_backward_pass_raises_also_with_a_frozen_teacher(tmp_path: Path) -> None:
+    """Forward events hold a module the backward events never see; the skipped pass is still
+    named on every rank (not a timeout: the group's is 10 s here, run_job allows 60)."""
+    results = run_job(
+        job_skipped_backward_with_a_frozen_teacher, 2, tmp_path, timeout_s=60, pg_timeout_s=10
+    )
+    messages = [res["message"] for res in results]
+    for message in messages:
+        assert message is not None
+        assert "at different update events (forward vs backward)" in message, message
+    assert messages[0] == messages[1]
 
 
 def test_rank_that_never_arrives_fails_within_timeout(tmp_path: Path) -> None:

@@ -296,7 +296,13 @@ class StateRegistry:
         self._membership_changed = False
 
     def _layout(self, states: Sequence[ScalingState]) -> Layout:
-        return Layout.of(self.direction, self.recipe, [s.num_slots for s in states])
+        forward_slots = 0
+        if self.direction == "backward":  # pad to the forward buffer (Layout.padding)
+            place = None if self.device is None else (self.device, self.partition)
+            forward = _registries.get((self.recipe, id(self.group), "forward", place))
+            if forward is not None and forward._verified is not None:
+                forward_slots = forward._verified.num_slots
+        return Layout.of(self.direction, self.recipe, [s.num_slots for s in states], forward_slots)
 
     def _verify(self, states: Sequence[ScalingState], device: torch.device, pg: Any) -> Layout:
         layout = self._layout(states)
