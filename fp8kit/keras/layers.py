@@ -16,13 +16,14 @@ added as Keras does. The FP8 state is seven non-trainable float32 variables per 
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import keras
 import numpy as np
 
 from fp8kit.keras.autocast import resolve
-from fp8kit.keras.backends import fp8_einsum_for_backend
+from fp8kit.keras.backends import fp8_einsum_for_backend, gradients_recorded
 from fp8kit.keras.gemm import GemmPlan, plan_einsum
 from fp8kit.keras.state import STATE_VARIABLES, Fp8State
 from fp8kit.recipe import Recipe, check_rebuildable, recipe_from_dict
@@ -66,6 +67,7 @@ class _Fp8LayerMixin:
         self.gradient_accumulation_steps = steps
         self.fp8_state = None
         self._fp8_plan = None
+        self._warned_training_unset = False
         lora_rank = getattr(self, "lora_rank", None)
         if lora_rank:
             self._refuse_lora(f"lora_rank={lora_rank}")
@@ -145,6 +147,16 @@ class _Fp8LayerMixin:
                 "amaxes for the next update is decided when the step is traced (pass the flag "
                 "as a Python value, as Model.fit does)"
             ) from None
+        if training is None and not self._warned_training_unset and gradients_recorded():
+            self._warned_training_unset = True
+            warnings.warn(
+                f"fp8kit.keras: {type(self).__name__} {self.name!r} was called with training "  # type: ignore[attr-defined]
+                "unset while a GradientTape records it. Keras then runs it as inference "
+                "(training=False), so its FP8 state never updates; pass training=True in a "
+                "training step (docs/keras.md)",
+                UserWarning,
+                stacklevel=3,
+            )
         assert self._fp8_plan is not None and self.fp8_state is not None
         fp8_einsum = fp8_einsum_for_backend()
         return fp8_einsum(

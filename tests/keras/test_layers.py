@@ -3,6 +3,8 @@ reference, drop-in behaviour, training=False, reuse, gradient accumulation, bad 
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -230,6 +232,27 @@ def test_a_reused_layers_target_call_under_stop_gradient_is_observed(rng, target
     np.testing.assert_array_equal(hist_f[-1], np.float32(want_f))
     np.testing.assert_array_equal(hist_b[-1], np.float32([np.abs(ga).max(), 0]))
     np.testing.assert_array_equal(count_f, [1, 1, 0])
+
+
+def test_training_left_out_under_a_tape_warns_once(rng) -> None:
+    """A custom loop that leaves ``training`` out runs the layer as inference, and its FP8 state
+    never updates: a call a GradientTape records says so once per layer. An explicit flag, or
+    no tape (prediction), says nothing."""
+    layer = dense(4, random_fp8_friendly(rng, (8, 4)), np.zeros(4, np.float32), f8.DelayedScaling())
+    x = tf.constant(random_fp8_friendly(rng, (2, 8)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(x)
+        with tf.GradientTape():
+            layer(x, training=False)
+            layer(x, training=True)
+    with tf.GradientTape(), pytest.warns(UserWarning, match="called with training unset while"):
+        layer(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with tf.GradientTape():
+            layer(x)  # once per layer
+    assert float(np.asarray(layer.fp8_state.fwd_count)[0]) == 0.0
 
 
 def test_eager_reused_layer_backward_keeps_its_forward_scales() -> None:

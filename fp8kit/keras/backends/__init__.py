@@ -14,7 +14,7 @@ from typing import Any
 
 import keras
 
-__all__ = ["fp8_einsum_for_backend"]
+__all__ = ["fp8_einsum_for_backend", "gradients_recorded"]
 
 _MODULES = {
     "tensorflow": "fp8kit.keras.backends.tf_grad",
@@ -32,3 +32,12 @@ def fp8_einsum_for_backend() -> Callable[..., Any]:
             f"fp8kit.keras supports the Keras backends {sorted(_MODULES)}, not {name!r}"
         )
     return import_module(_MODULES[name]).fp8_einsum
+
+
+def gradients_recorded() -> bool:
+    """Whether the active backend records this call for a gradient where that is known without
+    guessing: a TensorFlow ``GradientTape`` that could record it. False on the other backends
+    (torch records by default, inference included; JAX has no tape)."""
+    if keras.backend.backend() != "tensorflow":
+        return False
+    return bool(import_module(_MODULES["tensorflow"]).tape_recording())

@@ -31,13 +31,18 @@ from fp8kit.keras.state import Fp8State
 from fp8kit.matmul_args import SECOND_DERIVATIVE_ERROR
 from fp8kit.recipe import DelayedScaling
 
-__all__ = ["fp8_einsum", "replica_max"]
+__all__ = ["fp8_einsum", "replica_max", "tape_recording"]
 
 # Per traced graph: {(id(state), id(replica context), taped): (token of the latest call, running
 # max of the chain's forward amaxes)}.
 _CHAINS: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, bool], Any]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+def tape_recording() -> bool:
+    """Whether a ``GradientTape`` could record an op made now."""
+    return bool(record.could_possibly_record())
 
 
 def replica_max(amaxes: tf.Tensor, recipe: Any) -> tf.Tensor:
@@ -114,7 +119,7 @@ def fp8_einsum(
     x, w = tf.convert_to_tensor(x), tf.convert_to_tensor(w)
     x_dtype, w_dtype = standardize_dtype(x.dtype), standardize_dtype(w.dtype)
 
-    taped = record.could_possibly_record()
+    taped = tape_recording()
     if not training or not (taped or tf.inside_function()):
         # Eager and no tape records this call: its backward can never run, so it observes
         # nothing. (Traced without a tape, a tape outside the tf.function may still record the
