@@ -201,23 +201,12 @@ def fp8_gemm(
             return _dequant_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
         # torch's CPU _scaled_mm multiplies the dequantized operands with an mm that
         # torch.autocast would run in its dtype; cuBLASLt's FP8 GEMM is not autocast's.
-        # Entered only when one is on: the context costs microseconds per GEMM.
+        # Entered only when one is on (the context costs microseconds per GEMM); inside it
+        # this call takes the _scaled_mm below.
         if torch.is_autocast_enabled("cpu"):
             with torch.autocast("cpu", enabled=False):
-                return _call_scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum)
-    return _call_scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum)
-
-
-def _call_scaled_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_scale_inv: torch.Tensor,
-    b_scale_inv: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None,
-    fast_accum: bool,
-) -> torch.Tensor:
-    """One ``torch._scaled_mm`` (0-d scales), the call :func:`fp8_gemm` makes."""
+                return fp8_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias=bias,
+                                fast_accum=fast_accum)  # fmt: skip
     return torch._scaled_mm(
         a,
         b,
