@@ -89,10 +89,15 @@ def _device(args: Sequence[object]) -> int:
 
 
 def launch_key(
-    kernel: Any, grid: tuple[int, ...], args: Sequence[object], options: dict[str, object]
+    kernel: Any,
+    grid: tuple[int, ...],
+    args: Sequence[object],
+    options: dict[str, object],
+    device: int | None = None,
 ) -> Hashable:
-    """The key :func:`launch` keeps a launcher under (see the module docstring)."""
-    head = (kernel, grid, tuple(options.items()), _device(args))
+    """The key :func:`launch` keeps a launcher under (see the module docstring); ``device``:
+    ``args``' device index when the caller has it already."""
+    head = (kernel, grid, tuple(options.items()), _device(args) if device is None else device)
     try:  # the arguments of fp8kit's launches: Python scalars and tensors, inline
         return (
             *head,
@@ -119,19 +124,23 @@ def launch(kernel: Any, grid: tuple[int, ...], args: Sequence[object], **options
     index = _device(args)
     if index >= 0 and index != torch.cuda.current_device():
         with torch.cuda.device(index):
-            _launch_here(kernel, grid, args, options)
+            _launch_here(kernel, grid, args, options, index)
         return
-    _launch_here(kernel, grid, args, options)
+    _launch_here(kernel, grid, args, options, index)
 
 
 def _launch_here(
-    kernel: Any, grid: tuple[int, ...], args: Sequence[object], options: dict[str, object]
+    kernel: Any,
+    grid: tuple[int, ...],
+    args: Sequence[object],
+    options: dict[str, object],
+    index: int,
 ) -> None:
-    """:func:`launch` on the current device."""
+    """:func:`launch` on the current device (``index``: the tensors' device)."""
     if not _enabled:
         kernel[grid](*args, **options)
         return
-    key = launch_key(kernel, grid, args, options)
+    key = launch_key(kernel, grid, args, options, index)
     launcher = _launchers.get(key, _UNSEEN)
     if launcher is _UNSEEN:
         compiled = kernel[grid](*args, **options)
