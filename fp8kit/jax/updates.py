@@ -189,13 +189,13 @@ def _check_chains(
     steps = [] if metas is None else [(p, m.step) for p, m in zip(paths, metas, strict=True)]
     if not pairs and not steps:
         return
-    concrete = [(p, _concrete(c)) for p, c in pairs + steps]
-    if all(v is not None for _, v in concrete):
-        for path, chains in pairs:
-            worst, other = _chain_faults(np.asarray(chains))
+    values = [_concrete(v) for _, v in pairs + steps]
+    if all(v is not None for v in values):
+        for (path, _), chains in zip(pairs, values, strict=False):
+            worst, other = _chain_faults(chains)
             _raise_bad_chains(worst, other, False, path)
-        for path, step in steps:
-            if not np.all(np.asarray(step) == np.round(np.asarray(step))):
+        for (path, _), step in zip(steps, values[len(pairs) :], strict=True):
+            if not np.all(step == np.round(step)):
                 _raise_bad_chains(0.0, False, True, path)
         return
     # Traced (under jit): report from the host only when something is wrong.
