@@ -50,7 +50,10 @@ def window_amax(history: torch.Tensor, recipe: DelayedScaling) -> torch.Tensor:
     """The amax each slot's new scale is computed from; ``history[0]`` holds the current amax."""
     algo = recipe.amax_compute_algo
     if algo == "max":
-        return torch.amax(history, dim=0)
+        # NaN entries ignored (docs/semantics.md section 3; one can arrive only with a loaded or
+        # edited history); a column of NaN alone stays NaN, as fp8kit.jax's nanmax leaves it
+        amax = history.nan_to_num(-torch.inf, torch.inf).amax(dim=0)
+        return torch.where(history.isnan().all(dim=0), torch.nan, amax)
     if algo == "most_recent":
         return history[0]
     result = algo(history.clone())

@@ -4,6 +4,7 @@ API."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -364,6 +365,44 @@ def test_batched_update_matches_per_slot_reference(seed: int) -> None:
         np.testing.assert_array_equal(ts.numpy(), scale)
         np.testing.assert_array_equal(tc.numpy(), counts)
     assert np.isfinite(scale).all() and (scale > 0).all()
+
+
+def _halve(
+    amax: torch.Tensor, old_scale: torch.Tensor, fp8_max: torch.Tensor, recipe: DelayedScaling
+) -> torch.Tensor:
+    return fp8_max / amax / 2
+
+
+@pytest.mark.parametrize("scaling", [None, _halve], ids=["built-in", "callable"])
+def test_max_window_ignores_nan_entries_with_every_scaling_rule(
+    scaling: Callable[..., torch.Tensor] | None,
+) -> None:
+    # A NaN can reach a history only by a load or an edit (amaxes never record NaN), and "max"
+    # must ignore it (docs/semantics.md section 3) whichever rule computes the scale: a
+    # scaling_factor_compute_algo takes the torch rule instead of the fused kernel.
+    rng = np.random.default_rng(7)
+    recipe = DelayedScaling(amax_history_len=4, scaling_factor_compute_algo=scaling)
+    n = 24
+    hist = np.exp2(rng.uniform(-8, 8, (4, n))).astype(np.float32)
+    hist[1:][rng.random((3, n)) < 0.4] = np.nan
+    hist[1:, :3] = np.nan  # windows whose completed entries are all NaN
+    hist[0, 5] = 0.0  # a slot that did not run keeps its NaN entries
+    scale, counts = np.ones(n, np.float32), np.zeros(n, np.int64)
+    want = update_reference(hist, scale, counts, recipe, E4M3.max)
+    got = update_scaling_state(*map(torch.from_numpy, (hist, scale, counts)), recipe, E4M3.max)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g.numpy(), w)
+    assert not np.array_equal(want[1], scale)  # the NaN-holed windows did get new scales
+
+    layer = f8.Linear(16, 16)  # the same through a module, its history NaN-holed by hand
+    with f8.autocast(recipe=recipe):  # the first step binds the history length
+        layer(_x_with_amax(1.0))
+    with torch.no_grad():
+        layer.fp8_meta.forward.amax_history[1:, INPUT] = torch.tensor([math.nan, 2.0, math.nan])
+    with f8.autocast(recipe=recipe):
+        layer(_x_with_amax(1.0))
+    expected = E4M3.max / 2 / (2 if scaling is not None else 1)
+    assert layer.fp8_meta.forward.scale[INPUT].item() == expected
 
 
 def test_reference_sequences_agree_with_spec_numbers() -> None:
