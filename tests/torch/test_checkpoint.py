@@ -262,6 +262,48 @@ def test_a_non_strict_load_leaves_modules_it_does_not_hold_alone() -> None:
         assert torch.equal(converted[2].fp8_meta.state_dict()[key], value), key
 
 
+def _fp8_tensors(meta: f8.FP8Meta) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in meta.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+@pytest.mark.parametrize("strict", [True, False])
+def test_set_model_state_dict_of_a_full_checkpoint_loads_like_load_state_dict(
+    strict: bool,
+) -> None:
+    """torch.distributed.checkpoint's ``set_model_state_dict(full_state_dict=True)`` (how a full
+    or rank-0 checkpoint reaches an FSDP2 model) fills every key the checkpoint lacks with the
+    model's own value, and an extra state with a placeholder object. A plain checkpoint then
+    loads as with ``load_state_dict``: FP8 state fresh where new weights arrived, kept where the
+    weights were only filled in."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint.state_dict")
+    full = dcp.StateDictOptions(full_state_dict=True, strict=strict)
+    plain, converted = _plain_and_converted()
+    _train_step(converted, 16)
+    dcp.set_model_state_dict(converted, plain.state_dict(), options=full)
+    for a, b in zip(plain.parameters(), converted.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert _fresh(converted[0].fp8_meta) and _fresh(converted[2].fp8_meta)
+    assert converted[0].fp8_meta.forward.history_len == 4  # shape and recipe are kept
+    assert converted[0].fp8_meta.forward.recipe_data is not None
+
+    _train_step(converted, 16)  # a checkpoint of the first layer only
+    head, head_weight = _fp8_tensors(converted[2].fp8_meta), converted[2].weight.clone()
+    first_layer_only = {k: v for k, v in plain.state_dict().items() if k.startswith("0.")}
+    partial = dcp.StateDictOptions(full_state_dict=True, strict=False)
+    dcp.set_model_state_dict(converted, first_layer_only, options=partial)
+    assert _fresh(converted[0].fp8_meta)
+    assert torch.equal(converted[2].weight, head_weight)
+    for key, value in _fp8_tensors(converted[2].fp8_meta).items():
+        assert torch.equal(value, head[key]), key
+
+    _, trained = _plain_and_converted()  # a checkpoint with FP8 state loads it all
+    _train_step(trained, 16)
+    dcp.set_model_state_dict(converted, dcp.get_model_state_dict(trained), options=full)
+    for a, b in zip(converted.state_dict().values(), trained.state_dict().values(), strict=True):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
 def test_without_a_summary_each_fp8_module_says_it_starts_fresh(caplog) -> None:
     """A model built from f8 modules directly (no convert_model) logs one line per module."""
     torch.manual_seed(0)

@@ -21,6 +21,7 @@ from fp8kit.torch.state.buffers import (
     buffer_generation,
     bwd_slot,
     fwd_slot,
+    mark_owner_weights_kept,
     resize_history,
 )
 from fp8kit.torch.state.registry import (
@@ -46,6 +47,7 @@ __all__ = [
     "buffer_generation",
     "bwd_slot",
     "fwd_slot",
+    "mark_owner_weights_kept",
     "pool_states",
     "registry_for",
     "resize_history",

@@ -32,6 +32,7 @@ __all__ = [
     "bwd_slot",
     "finish_fresh_state_summary",
     "fwd_slot",
+    "mark_owner_weights_kept",
     "resize_history",
     "start_fresh_state_summary",
     "state_by_uid",
@@ -327,6 +328,8 @@ class ScalingState(nn.Module):
         return {"version": _EXTRA_STATE_VERSION, "recipe": self.recipe_data}
 
     def set_extra_state(self, state: Any) -> None:
+        if _is_dcp_placeholder(state):  # the checkpoint has none: keep the recorded recipe
+            return
         if not isinstance(state, dict) or state.get("version") != _EXTRA_STATE_VERSION:
             raise ValueError(
                 f"fp8kit: unsupported ScalingState extra state {state!r} "
@@ -423,6 +426,8 @@ class FP8Meta(nn.Module):
         )
         # No key of this state in the checkpoint: the post hook makes it fresh state.
         absent = not any(key.startswith(prefix) for key in state_dict)
+        if not absent:
+            absent = _filled_in_by_dcp(self, state_dict, prefix)
         self.__dict__["_absent_in_load"] = prefix if absent else None
 
     def reset_values(self) -> None:
@@ -443,6 +448,38 @@ class FP8Meta(nn.Module):
     @property
     def backward(self) -> ScalingState:
         return self._modules["backward"]  # type: ignore[return-value]
+
+
+def _is_dcp_placeholder(value: object) -> bool:
+    """Whether ``value`` is the object ``torch.distributed.checkpoint.state_dict`` puts under
+    an ``_extra_state`` key that a full state dict lacks (``set_model_state_dict`` with
+    ``full_state_dict=True``): a marker of absence, not a saved state. Told by its class (a
+    private one of torch's, so not imported)."""
+    kind = type(value)
+    return kind.__name__ == "_EXTRA_STATE" and kind.__module__.startswith("torch.distributed")
+
+
+def _filled_in_by_dcp(meta: nn.Module, state_dict: dict[str, Any], prefix: str) -> bool:
+    """Whether every key of ``meta`` in ``state_dict`` is what ``set_model_state_dict``
+    (``full_state_dict=True``) fills in for a key the checkpoint lacks: its placeholder for each
+    extra state and the module's own tensor for each buffer. Such a checkpoint has no FP8 state
+    (docs/te_modules.md, "Checkpoints with plain PyTorch")."""
+    for key, own in meta.state_dict(keep_vars=True).items():
+        given = state_dict.get(prefix + key, own)
+        if key.endswith("_extra_state"):
+            if not _is_dcp_placeholder(given):
+                return False
+        elif given is not own:
+            return False
+    return True
+
+
+def mark_owner_weights_kept(meta: nn.Module, kept: bool) -> None:
+    """Tell ``meta``'s load post hook whether its owner's load left every weight as it was (each
+    one missing or the module's own tensor, as ``set_model_state_dict`` fills in keys a full
+    state dict lacks): an absent FP8 state then stays, as there are no new weights to restart
+    it for. Called by the owner's ``_load_from_state_dict``, which runs before ``meta``'s."""
+    meta.__dict__["_owner_weights_kept"] = kept
 
 
 # A load whose root asked for one summary line (fp8kit.torch.checkpoint.summarize_fresh_fp8_state)
@@ -475,11 +512,13 @@ def _missing_fp8_state_is_fresh_state(meta: nn.Module, incompatible: Any) -> Non
     """Load-state-dict post hook of :class:`FP8Meta` (docs/te_modules.md, checkpoints).
 
     A checkpoint without this FP8 state (a plain PyTorch model's) loads with ``strict=True``:
-    its keys leave ``missing_keys`` and, when the owner's own weights were loaded, the state is
-    reset to fresh (history 0, scale 1, counts 0; the old one belongs to other weights). An FP8
-    state the checkpoint holds in part, and every other missing key, stays missing.
+    its keys leave ``missing_keys`` and, when the owner's own weights were loaded (none missing,
+    not all of them the module's own tensors), the state is reset to fresh (history 0, scale 1,
+    counts 0; the old one belongs to other weights) and the reset is logged. An FP8 state the
+    checkpoint holds in part, and every other missing key, stays missing.
     """
     prefix = meta.__dict__.pop("_absent_in_load", None)
+    weights_kept = meta.__dict__.pop("_owner_weights_kept", False)
     if prefix is None:
         return
     own = {prefix + key for key in meta.state_dict(keep_vars=True)}
@@ -487,9 +526,10 @@ def _missing_fp8_state_is_fresh_state(meta: nn.Module, incompatible: Any) -> Non
     missing[:] = [key for key in missing if key not in own]
     owner = prefix[:-1].rpartition(".")[0]
     owner_prefix = f"{owner}." if owner else ""
-    if not any(key.startswith(owner_prefix) for key in missing):  # the owner's weights loaded
-        for state in (meta.forward, meta.backward):
-            state.reset_values()
+    if weights_kept or any(key.startswith(owner_prefix) for key in missing):
+        return  # the owner's weights are the ones the state was measured on
+    for state in (meta.forward, meta.backward):
+        state.reset_values()
     name = prefix[:-1] or "the FP8 state"
     current = getattr(_summary, "load", None)
     if current is not None and current[0] is missing:
