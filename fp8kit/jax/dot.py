@@ -181,7 +181,8 @@ def _reduce(amaxes: jax.Array, meta_ct: jax.Array, recipe: Recipe, axes: Any) ->
                 f"amax_reduction_axes={axes} misses mesh axes {sorted(missing)} over which the "
                 "amaxes differ; the replicated meta needs them reduced too"
             )
-        names = tuple(axes)
+        # never over an axis the meta itself differs on (one meta per stage or device)
+        names = tuple(a for a in axes if a not in varying_axes(meta_ct))
         try:
             return lax.pmax(amaxes, names) if names else amaxes
         except NameError as err:  # JAX's "unbound axis name"
@@ -343,12 +344,6 @@ def _fp8_dot_bwd(
     if need_dw:
         x_op = x_saved if isinstance(x_saved, tuple) else x_saved.astype(jnp.float32)
         dw = _wgrad(x_op, dy_op if wgrad_fp8 else dy32, cfg).astype(cfg.rhs_dtype)
-    if cfg.fp8_grad and dx is not None:
-        slot = bwd_slot(g, BwdSlot.GRAD_INPUT)
-        dx_data, dx_inv, dx_amax = _quantize_slot(dx, bwd_state, slot, fmt, recipe)
-        dx = _dequant(dx_data, dx_inv).astype(cfg.lhs_dtype)
-        if dx_amax is not None:
-            obs_bwd = obs_bwd.at[slot].set(dx_amax)
     db = None
     if cfg.bias_shape is not None and dy32 is not None:
         lead = dy32.ndim - len(cfg.bias_shape)
@@ -360,6 +355,12 @@ def _fp8_dot_bwd(
     # replicated on (what JAX's own transpose of the implicit pvary does).
     if dx is not None:
         dx = _psum_to(dx, cfg.lhs_vma)
+    if cfg.fp8_grad and dx is not None:  # the lhs gradient whole: after the sum of its parts
+        slot = bwd_slot(g, BwdSlot.GRAD_INPUT)
+        dx_data, dx_inv, dx_amax = _quantize_slot(dx, bwd_state, slot, fmt, recipe)
+        dx = _dequant(dx_data, dx_inv).astype(cfg.lhs_dtype)
+        if dx_amax is not None:
+            obs_bwd = obs_bwd.at[slot].set(dx_amax)
     if dw is not None:
         dw = _psum_to(dw, cfg.rhs_vma)
     if db is not None:

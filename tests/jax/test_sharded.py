@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 import fp8kit.jax as f8
 from fp8kit.formats import E4M3, E5M2
 from fp8kit.jax.linen import Dense
+from fp8kit.slots import BwdSlot, bwd_slot
 from tests.jax.helpers import qdq_reference
 
 pytestmark = pytest.mark.slow
@@ -256,3 +257,59 @@ def test_linen_axes_field_and_autocast_override_the_state_axes() -> None:
     plain = Dense(8, recipe=recipe).init(jax.random.key(0), x)
     _, written = layers["field"].apply(plain, x, mutable=["fp8_meta"])
     assert jax.tree.structure(written["fp8_meta"]) == jax.tree.structure(plain["fp8_meta"])
+
+
+def test_tensor_parallel_fp8_grad_casts_the_summed_input_gradient() -> None:
+    """Column-parallel (w split over "model", x replicated): each device's dX is a part of the
+    sum; fp8_grad must cast (and record the amax of) the whole dX, as one device would. Inputs
+    are exact in FP8 and float32, so the parallel run equals the single-device one bit for
+    bit."""
+    mesh = _mesh()
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.integers(-4, 5, (8, 16)).astype(np.float32))
+    w = jnp.asarray((rng.integers(-8, 9, (16, 8)) / 8).astype(np.float32))
+    g = jnp.asarray(rng.integers(-3, 4, (8, 8)).astype(np.float32))
+    meta = f8.init_meta(1, f8.DelayedScaling(amax_history_len=2))
+
+    def grads(x, w, meta, g):
+        def loss(x, meta):
+            return jnp.sum(f8.dot_general(x, w, DIMS, meta, fp8_grad=True) * g)
+
+        return jax.grad(loss, argnums=(0, 1))(x, meta)
+
+    dx_one, obs_one = jax.jit(grads)(x, w, meta, g)
+    split = P(None, "model")
+    parallel = jax.jit(
+        jax.shard_map(grads, mesh=mesh, in_specs=(P(), split, P(), split), out_specs=(P(), P()))
+    )
+    dx_tp, obs_tp = parallel(x, w, meta, g)
+    exact = np.abs(np.asarray(g, np.float64) @ np.asarray(w, np.float64).T).max()
+    grad_input = bwd_slot(0, BwdSlot.GRAD_INPUT)
+    assert float(obs_one.backward.amax_history[0, grad_input]) == exact
+    assert float(obs_tp.backward.amax_history[0, grad_input]) == exact
+    np.testing.assert_array_equal(np.asarray(dx_tp), np.asarray(dx_one))
+
+
+def test_explicit_reduction_axes_skip_the_axes_the_meta_differs_on() -> None:
+    """One meta per pipeline stage ("data" here), batch split over "model": amax_reduction_axes
+    naming both axes reduces over "model" only, as with the axes left unset (docs/jax.md,
+    "Distribution")."""
+    mesh = _mesh()
+    x = jnp.ones((8, 2, 16)).at[:, 0].multiply(2.0).at[:, 1].multiply(7.0)  # stage inputs
+    x = x.at[5, 1, 3].set(-9.0)  # stage 1's largest value sits on one device of "model"
+    w = jnp.ones((2, 16, 8)) * 0.125
+    for axes in (None, ("model",), ("data", "model")):
+        meta = f8.init_meta(1, f8.DelayedScaling(amax_history_len=2), amax_reduction_axes=axes)
+        metas = jax.tree.map(lambda a: jnp.stack([a, a]), meta)
+
+        def body(w, metas, x):
+            w, x = w[0], x[:, 0]
+            meta = jax.tree.map(lambda a: a[0], metas)
+            loss = lambda w, m: jnp.sum(f8.dot_general(x, w, DIMS, m))  # noqa: E731
+            _, _, obs = f8.value_and_grad(loss, argnums=(0, 1))(w, meta)
+            return jax.tree.map(lambda a: a[None], f8.update(meta, obs[1]))
+
+        specs = (P("data"), P("data"), P("model", "data"))
+        run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("data")))
+        out = run(w, metas, x)
+        np.testing.assert_array_equal(np.asarray(out.forward.amax_history[:, -1, 0]), [2.0, 9.0])
