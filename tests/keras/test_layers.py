@@ -519,3 +519,43 @@ def test_a_function_traced_without_a_tape_still_updates_when_a_tape_records_it(r
         assert tape.gradient(loss, layer.kernel) is not None
     np.testing.assert_array_equal(layer.fp8_state.fwd_count.numpy(), [3, 3, 0])
     assert forward.experimental_get_tracing_count() == 1  # the untaped trace was reused
+
+
+@pytest.mark.parametrize("order", ["interleaved", "forwards first"])
+def test_two_tapes_in_one_step_give_one_event_each_in_any_order(rng, order: str) -> None:
+    """One layer under two GradientTapes in a traced step (a GAN-style loop): an event per tape,
+    each with its own call's amaxes, also when both forward passes run before either gradient.
+    There the second call used to chain to the first tape's call, which its tape never
+    recorded, so its backward amax was lost and its forward amax joined the first event."""
+    layer = dense(
+        2,
+        np.full((4, 2), 0.5, np.float32),
+        np.zeros(2, np.float32),
+        f8.DelayedScaling(amax_history_len=4),
+    )
+    x1, x2 = tf.fill((2, 4), 3.0), tf.fill((2, 4), 5.0)
+    g1, g2 = tf.fill((2, 2), 1.0), tf.fill((2, 2), 8.0)
+
+    @tf.function
+    def step() -> None:
+        if order == "interleaved":
+            with tf.GradientTape() as tape_a:
+                loss_a = tf.reduce_sum(layer(x1, training=True) * g1)
+            tape_a.gradient(loss_a, layer.kernel)
+            with tf.GradientTape() as tape_b:
+                loss_b = tf.reduce_sum(layer(x2, training=True) * g2)
+            tape_b.gradient(loss_b, layer.kernel)
+        else:
+            with tf.GradientTape() as tape_a:
+                loss_a = tf.reduce_sum(layer(x1, training=True) * g1)
+            with tf.GradientTape() as tape_b:
+                loss_b = tf.reduce_sum(layer(x2, training=True) * g2)
+            tape_a.gradient(loss_a, layer.kernel)
+            tape_b.gradient(loss_b, layer.kernel)
+
+    step()
+    hist_f, _, count_f, hist_b, _, count_b, _ = state_arrays(layer)
+    np.testing.assert_array_equal(count_f, [2, 2, 0])
+    np.testing.assert_array_equal(count_b, [2, 0])
+    np.testing.assert_array_equal(hist_f[-2:, 0], [3.0, 5.0])  # INPUT, one entry per tape
+    np.testing.assert_array_equal(hist_b[-2:, 0], [1.0, 8.0])  # GRAD_OUTPUT

@@ -33,9 +33,19 @@ from fp8kit.recipe import DelayedScaling
 
 __all__ = ["fp8_einsum", "replica_max", "tape_recording"]
 
-# Per traced graph: {(id(state), id(replica context), taped): (token of the latest call, running
-# max of the chain's forward amaxes)}.
-_CHAINS: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, bool], Any]] = (
+
+class _Chain:
+    """The calls of one layer chained to one head: the token of the latest call and the running
+    max of their forward amaxes (tensors of the traced step)."""
+
+    __slots__ = ("fwd_max", "token")
+
+    def __init__(self, token: tf.Tensor, fwd_max: tf.Tensor) -> None:
+        self.token, self.fwd_max = token, fwd_max
+
+
+# Per traced graph: {(id(state), id(replica context), taped): the chain later calls join}.
+_CHAINS: weakref.WeakKeyDictionary[Any, dict[tuple[int, int, bool], _Chain]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -138,9 +148,13 @@ def fp8_einsum(
         return frozen(x, w)
 
     slot = _chain_slot(state, taped)
-    previous = None if slot is None else slot[0].get(slot[1])
-    is_head = previous is None
-    token_in = tf.zeros((state.num_observations,), tf.float32) if is_head else previous[0]
+    chain = None if slot is None else slot[0].get(slot[1])
+    if chain is not None and taped and not record.should_record_backprop([chain.token]):
+        # No active tape recorded the chain's last call (a tape closed before this one
+        # opened): its token would carry this call's amaxes nowhere. Start a chain of its own.
+        chain = None
+    is_head = chain is None
+    token_in = tf.zeros((state.num_observations,), tf.float32) if is_head else chain.token
 
     @tf.custom_gradient
     def observed(x: tf.Tensor, w: tf.Tensor, token: tf.Tensor) -> Any:
@@ -154,22 +168,25 @@ def fp8_einsum(
                 amaxes = tf.maximum(amaxes, tf.cast(dtoken, tf.float32))
             if not is_head:
                 return dx, dw, amaxes
-            if slot is not None:  # the step's backward is traced: a later call starts anew
-                latest = slot[0].pop(slot[1], None)
-                if latest is not None:
-                    # the forward amaxes of every call of the chain, also of a last call whose
-                    # backward never runs (its output under tf.stop_gradient; decision 0264)
-                    pad = tf.zeros_like(bwd_obs)
-                    amaxes = tf.maximum(amaxes, tf.concat([latest[1], pad], axis=0))
+            if own is not None:  # the step's backward is traced: a later call starts anew
+                if slot is not None and slot[0].get(slot[1]) is own:
+                    del slot[0][slot[1]]
+                # the forward amaxes of every call of the chain, also of a last call whose
+                # backward never runs (its output under tf.stop_gradient; decision 0264)
+                pad = tf.zeros_like(bwd_obs)
+                amaxes = tf.maximum(amaxes, tf.concat([own.fwd_max, pad], axis=0))
             _observe_in_replica(state, amaxes, plan.recipe)
             return dx, dw, tf.zeros_like(token)
 
         return (y, tf.identity(token), tf.stop_gradient(fwd_obs)), grad
 
+    own: _Chain | None = None  # the chain this call heads (read by its backward, traced later)
     y, token_out, fwd_obs = observed(x, w, token_in)
     if slot is not None:  # the token, and the running max of the chain's forward amaxes
-        fwd_max = fwd_obs if is_head else tf.maximum(previous[1], fwd_obs)
-        slot[0][slot[1]] = (token_out, fwd_max)
+        if chain is None:
+            own = slot[0][slot[1]] = _Chain(token_out, fwd_obs)
+        else:
+            chain.token, chain.fwd_max = token_out, tf.maximum(chain.fwd_max, fwd_obs)
     return y
 
 
