@@ -70,9 +70,12 @@ _HOOK_DICTS = (
 
 def _carry_over(old: nn.Module, new: nn.Module) -> None:
     """Give ``new`` the hooks, the extra parameters, buffers and submodules and the extra
-    attributes ``old`` carries, so conversion loses nothing a user attached. A registry ``new``
-    has no hook in is shared with ``old`` (the handles returned at registration still remove
-    the hooks)."""
+    attributes ``old`` carries, so conversion loses nothing a user attached.
+
+    The handles returned at registration delete from the registry object they were made for,
+    so ``new`` takes over each of ``old``'s hook registries (its own hooks, from its
+    construction, go in first, as in a module built as FP8), and ``old`` keeps a copy: a hook
+    registered later on one of the two does not fire on the other."""
     for registry in ("_parameters", "_buffers", "_modules"):
         mine = new.__dict__[registry]
         for key, value in old.__dict__[registry].items():
@@ -82,11 +85,12 @@ def _carry_over(old: nn.Module, new: nn.Module) -> None:
         hooks = old.__dict__.get(name)
         if not hooks:
             continue
-        mine = new.__dict__.get(name)
-        if mine:
-            mine.update(hooks)
-        else:
-            new.__dict__[name] = hooks
+        old.__dict__[name] = type(hooks)(hooks)
+        users = list(hooks.items())
+        hooks.clear()
+        hooks.update(new.__dict__.get(name) or {})
+        hooks.update(users)
+        new.__dict__[name] = hooks
     if old.__dict__.get("_is_full_backward_hook") is not None:
         new.__dict__["_is_full_backward_hook"] = old.__dict__["_is_full_backward_hook"]
     for key, value in old.__dict__.items():

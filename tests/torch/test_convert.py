@@ -124,14 +124,17 @@ def test_module_filter_must_answer_with_a_bool() -> None:
 
 @pytest.mark.parametrize("make", [lambda: nn.Linear(8, 8), lambda: nn.MultiheadAttention(8, 2)])
 def test_hooks_and_attributes_of_a_converted_module_carry_over(make) -> None:
-    """Hooks (forward, pre-forward, full backward) and extra attributes set on the module that
-    is replaced keep working on its FP8 module; their handles still remove them."""
+    """Hooks (forward, pre-forward, full backward, load-state-dict post, where the FP8 module
+    holds a hook of its own) and extra attributes set on the module that is replaced keep
+    working on its FP8 module; their handles still remove them. The replaced module keeps its
+    hooks, apart: one registered on the FP8 module later does not fire on it."""
     module = make()
     calls: list[str] = []
     handles = [
         module.register_forward_pre_hook(lambda m, args: calls.append("pre")),
         module.register_forward_hook(lambda m, args, out: calls.append("forward")),
         module.register_full_backward_hook(lambda m, gin, gout: calls.append("backward")),
+        module.register_load_state_dict_post_hook(lambda m, keys: calls.append("load")),
     ]
     module.my_tag = "kept"
     model = f8.convert_model(nn.Sequential(module))
@@ -146,12 +149,18 @@ def test_hooks_and_attributes_of_a_converted_module_carry_over(make) -> None:
         out.sum().backward()
 
     step()
-    assert calls == ["pre", "forward", "backward"]
+    fp8.load_state_dict(fp8.state_dict())
+    assert calls == ["pre", "forward", "backward", "load"]
+    fp8.register_forward_hook(lambda m, args, out: calls.append("fp8 only"))
+    calls.clear()
+    module(x) if isinstance(module, nn.Linear) else module(x, x, x)
+    assert calls == ["pre", "forward"]  # the replaced module, with its own hooks only
     for handle in handles:
         handle.remove()
     calls.clear()
     step()
-    assert calls == []
+    fp8.load_state_dict(fp8.state_dict())
+    assert calls == ["fp8 only"]
 
 
 class Net(nn.Module):
