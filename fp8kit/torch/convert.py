@@ -283,9 +283,11 @@ def convert_model(
         converted.append(child_fqn)
     converted.sort(key=order.__getitem__)
     left.sort(key=order.__getitem__)
+    shared = len(converted) - len(replacements)  # paths to a module converted once already
     logger.info(
-        "fp8kit.convert_model: converted %d module(s) to FP8: %s",
-        len(converted),
+        "fp8kit.convert_model: converted %d module(s) to FP8%s: %s",
+        len(replacements),
+        f", reached by {len(converted)} paths" if shared else "",
         ", ".join(converted) or "none",
     )
     if left:

@@ -269,14 +269,17 @@ def test_a_bare_attention_is_converted_like_a_bare_linear(caplog) -> None:
     assert type(kept) is nn.MultiheadAttention
 
 
-def test_a_shared_module_stays_one_fp8_module() -> None:
+def test_a_shared_module_stays_one_fp8_module(caplog) -> None:
     """A Linear reached by two paths (also twice in one parent) becomes one f8.Linear, so its
-    FP8 state sees every use; a shared parent is walked once per path without double work."""
+    FP8 state sees every use; a shared parent is walked once per path without double work, and
+    the log counts modules, not paths."""
     shared = nn.Linear(8, 8)
     inner = nn.Sequential(shared, nn.ReLU())
     model = nn.Sequential(inner, inner, shared)
     model.add_module("alias", shared)
-    f8.convert_model(model)
+    with caplog.at_level("INFO", logger="fp8kit"):
+        f8.convert_model(model)
+    assert "converted 1 module(s) to FP8, reached by 4 paths: 0.0, 1.0, 2, alias" in caplog.text
     fp8 = model[2]
     assert isinstance(fp8, f8.Linear) and fp8.weight is shared.weight
     assert model[0][0] is fp8 and model[1][0] is fp8 and model.alias is fp8
