@@ -50,6 +50,8 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
     backward ``(L, 8)``.
     """
 
+    fp8_gemm_names = ("q", "k", "v", "out")  # the inspector's names; "q" also holds packed q/k/v
+
     def __init__(
         self,
         embed_dim: int,

@@ -169,19 +169,25 @@ def test_several_casts_in_one_step_combine() -> None:
     assert rec.snr_db == pytest.approx(10 * math.log10(signal / noise), rel=1e-6)
 
 
+_TRAINED_SLOTS = ("INPUT", "WEIGHT", "GRAD_OUTPUT")
+
+
 def test_names_follow_the_model_and_the_gemms() -> None:
     model = nn.Module()
     model.blocks = nn.ModuleList([nn.Module()])
     model.blocks[0].qkv = LayerNormLinear(16, 48)
     model.blocks[0].mlp = LayerNormMLP(16, 32)
+    model.blocks[0].attn = f8.MultiheadAttention(16, 2)
     x = torch.randn(4, 16, requires_grad=True)
     inspector = Inspector(model)
     with inspector:
         with f8.autocast(recipe=DelayedScaling(amax_history_len=2)):
             y = model.blocks[0].mlp(model.blocks[0].qkv(x)[:, :16])
-        y.sum().backward()
+            z = model.blocks[0].attn(y, x, x, need_weights=False)[0]  # cross: q, k, v apart
+        z.sum().backward()
         names = {r.name for r in inspector.step()}
     assert names == {
+        *(f"blocks.0.attn.{g}.{s}" for g in ("q", "k", "v", "out") for s in _TRAINED_SLOTS),
         "blocks.0.qkv.INPUT",
         "blocks.0.qkv.WEIGHT",
         "blocks.0.qkv.GRAD_OUTPUT",
