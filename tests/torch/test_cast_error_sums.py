@@ -167,6 +167,10 @@ def test_bad_arguments_name_the_parameter() -> None:
             kernels.cast_error_sums(x, q, one, one, fmax)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="backend must be None, 'native' or 'reference'"):
         kernels.cast_error_sums(x, q, one, one, 448.0, backend="triton")
+    # any real number is an fmax, numpy's included
+    want = kernels.cast_error_sums(x, q, one, one, 448.0)
+    assert torch.equal(kernels.cast_error_sums(x, q, one, one, np.float32(448)), want)
+    assert torch.equal(kernels.cast_error_sums(x, q, one, one, 448), want)
 
 
 def test_backend_native_names_why_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -825,6 +825,25 @@ def test_dequantize_wiring(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == [torch.float8_e4m3fn]
 
 
+def test_dequantize_fp8_refuses_arguments_outside_its_contract() -> None:
+    """FP8 data, a float32 / bfloat16 / float16 dtype and a one-element float32 scale that
+    keeps data's shape, else an error naming the parameter (FP8 bytes viewed as uint8 came
+    back as integers, an int dtype truncated, a (3,) scale broadcast per element)."""
+    data = torch.tensor([0.3125, -1.75, 2.25]).to(torch.float8_e4m3fn)
+    half = torch.tensor(0.5)
+    with pytest.raises(TypeError, match=r"data must be a torch\.float8_e4m3fn or .*torch\.uint8"):
+        kernels.dequantize_fp8(data.view(torch.uint8), half)
+    for dtype in (torch.int32, torch.float64, torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match=r"dtype must be torch\.float32, .*got torch\."):
+            kernels.dequantize_fp8(data, half, dtype)
+    for scale in (torch.full((1, 1), 0.5), torch.full((3,), 0.5), half.double(), 0.5):
+        with pytest.raises(TypeError, match=r"scale must be None or a torch\.float32 tensor"):
+            kernels.dequantize_fp8(data, scale)  # type: ignore[arg-type]
+    for scale in (None, half, torch.full((1,), 0.5)):  # the contract's forms still work
+        want = data.float() * (1.0 if scale is None else 0.5)
+        assert torch.equal(kernels.dequantize_fp8(data, scale), want)
+
+
 def test_dequant_mm_unchanged_and_uses_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """The "dequant" CPU GEMM backend gives exactly the old result (torch upcasts) for both
     operand layouts and formats, with the upcasts in the kernel."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import numbers
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -693,9 +694,10 @@ def dequantize_fp8(
         Tensor of ``dtype`` and ``data``'s shape, laid out as torch's elementwise result
         (``out`` itself when given).
     """
+    _check_dequant(data, scale, dtype)
     if out is not None:
         _check_dequant_out(data, dtype, out)
-    if _dequant_native_ok(data, scale, dtype):
+    if _dequant_native_ok(data, scale):
         if dtype != torch.float16:
             return native.dequantize(data, scale, dtype, out)
         result = native.dequantize(data, scale, _F32).to(torch.float16)
@@ -705,6 +707,26 @@ def dequantize_fp8(
             result = result * scale
         result = result if dtype == torch.float32 else result.to(dtype)
     return result if out is None else out.copy_(result)
+
+
+def _check_dequant(data: object, scale: object, dtype: object) -> None:
+    """Raise unless :func:`dequantize_fp8` takes these arguments (its docstring's contract)."""
+    if not (isinstance(data, torch.Tensor) and data.dtype in _FP8_DTYPES):
+        raise TypeError(
+            f"data must be a torch.float8_e4m3fn or torch.float8_e5m2 tensor, got {_describe(data)}"
+        )
+    if dtype not in INPUT_DTYPES:
+        raise TypeError(
+            f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}"
+        )
+    if scale is not None and not (
+        isinstance(scale, torch.Tensor) and _scale_ok(data, scale) and scale.dim() <= data.dim()
+    ):
+        raise TypeError(
+            f"scale must be None or a torch.float32 tensor with one element, at most "
+            f"data.dim() = {data.dim()} dimensions (the result has data's shape), on data's "
+            f"device ({data.device}), got {_describe(scale)}"
+        )
 
 
 def _check_dequant_out(data: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> None:
@@ -954,7 +976,7 @@ def cast_error_sums(
         )
     _check_one("scale", scale, _F32, x)
     _check_one("scale_inv", scale_inv, _F32, x)
-    if isinstance(fmax, bool) or not isinstance(fmax, (int, float)) or not 0 < fmax < math.inf:
+    if isinstance(fmax, bool) or not isinstance(fmax, numbers.Real) or not 0 < fmax < math.inf:
         raise ValueError(f"fmax must be a positive finite number, got {fmax!r}")
     fmax = float(fmax)
     if _native_or_reference("cast_error_sums", backend, "x", x) == "reference":
@@ -964,18 +986,10 @@ def cast_error_sums(
     return native.cast_error_sums(x, q, scale, scale_inv, fmax)
 
 
-def _dequant_native_ok(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> bool:
-    if not (
-        isinstance(data, torch.Tensor)
-        and data.device.type == "cpu"
-        and data.dtype in _FP8_DTYPES
-        and dtype in INPUT_DTYPES
-    ):
+def _dequant_native_ok(data: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """Whether the native kernel computes :func:`dequantize_fp8` of checked arguments."""
+    if data.device.type != "cpu":
         return False
-    if scale is not None and not (
-        _scale_ok(data, scale)
-        and scale.dim() <= data.dim()  # broadcasting keeps data's shape
-        and not (scale.requires_grad and torch.is_grad_enabled())  # torch's result has a grad_fn
-    ):
-        return False
+    if scale is not None and scale.requires_grad and torch.is_grad_enabled():
+        return False  # torch's result has a grad_fn
     return not torch.compiler.is_compiling() and load_native() is not None
