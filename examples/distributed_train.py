@@ -94,16 +94,30 @@ def train(wrap: str = "ddp", steps: int = 20, checkpoint: str | None = None) -> 
     return loss.item()
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wrap", choices=("ddp", "fsdp2"), default="ddp")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=_positive_int, default=20, help="training steps (>= 1)")
     parser.add_argument("--checkpoint", default=None, help="directory for a DCP checkpoint")
     args = parser.parse_args()
     # A bounded timeout: a rank that stops taking part makes the others fail, not wait forever.
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
         train(args.wrap, args.steps, args.checkpoint)
+        # Every rank done before any tears down: without it, an FSDP2 run (with or without FP8)
+        # aborted at exit in about 1 of 5 runs on a 2-core CPU (docs/decisions/0266).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -81,6 +81,18 @@ def main(tokens: int = 4096, hidden: int = 1024, ffn: int = 4096, repeats: int =
     return {"fp32_ms": med["fp32"], "fp8_ms": med["fp8"], "ratio": ratio}
 
 
+def _arguments(argv: list[str]) -> list[int]:
+    """``tokens hidden ffn repeats`` from the command line: up to four integers >= 1."""
+    names = ("tokens", "hidden", "ffn", "repeats")
+    if len(argv) > len(names):
+        raise SystemExit(f"usage: jax_benchmark_dense.py [{' '.join(names)}], got {len(argv)} args")
+    values = []
+    for name, text in zip(names, argv, strict=False):
+        if not (text.isdigit() and int(text) >= 1):
+            raise SystemExit(f"{name} must be an integer >= 1, got {text!r}")
+        values.append(int(text))
+    return values
+
+
 if __name__ == "__main__":
-    args = [int(a) for a in sys.argv[1:]]
-    main(*args)
+    main(*_arguments(sys.argv[1:]))
