@@ -83,16 +83,17 @@ class _Fp8LayerMixin:
         return super().add_weight(*args, **kwargs)  # type: ignore[misc]
 
     def _build_fp8(self, equation: str) -> None:
+        if self.recipe is None:  # Keras's layer, Keras's quantization modes included
+            return
         mode = self.quantization_mode  # type: ignore[attr-defined]
         if mode is not None:
             raise ValueError(
                 f"{type(self).__name__} {self.name!r}: dtype policy "  # type: ignore[attr-defined]
                 f"{self.dtype_policy.name!r} (Keras quantization mode {mode!r}) cannot be "  # type: ignore[attr-defined]
                 "combined with fp8kit's FP8 GEMM; use a float policy such as 'float32' or "
-                "'mixed_bfloat16' and choose FP8 with recipe="
+                "'mixed_bfloat16' and choose FP8 with recipe=, or recipe=None for Keras's "
+                "quantization"
             )
-        if self.recipe is None:
-            return
         self._fp8_plan = plan_einsum(equation, self.recipe)
         self.fp8_state = Fp8State(self, self.recipe, 1, self.gradient_accumulation_steps)
 
@@ -117,14 +118,15 @@ class _Fp8LayerMixin:
         is refused for a layer with an FP8 recipe: it would stack Keras's quantized kernel and
         its float8 scales on fp8kit's GEMM and state (``type_check=False`` got past Keras's
         subclass check). ``Model.quantize`` turns this error into its usual warning and leaves
-        the layer as it is. With ``recipe=None`` the layer is Keras's and quantizes as Keras's."""
+        the layer as it is. With ``recipe=None`` the layer is Keras's and quantizes as Keras's
+        (Keras's own check refuses every subclass, so it is not asked)."""
         if getattr(self, "recipe", None) is not None:
             raise NotImplementedError(
                 f"{type(self).__name__} {self.name!r} computes in FP8 with fp8kit's recipe; "  # type: ignore[attr-defined]
                 f"Keras quantization mode {mode!r} cannot be added to it (construct the layer "
                 "with recipe=None to quantize it with Keras)"
             )
-        super().quantize(mode=mode, type_check=type_check, **kwargs)  # type: ignore[misc]
+        super().quantize(mode=mode, type_check=False, **kwargs)  # type: ignore[misc]
 
     def _fp8_gemm(self, inputs: Any, kernel: Any, training: Any) -> Any:
         dtype = keras.backend.standardize_dtype(inputs.dtype)

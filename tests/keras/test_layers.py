@@ -4,6 +4,7 @@ reference, drop-in behaviour, training=False, reuse, gradient accumulation, bad 
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import keras
 import numpy as np
@@ -375,9 +376,40 @@ def test_keras_quantization_of_an_fp8_layer_is_refused_and_leaves_it_fp8() -> No
                 layer.quantize(mode)
         assert layer.quantization_mode is None and len(layer.weights) == n_weights
         model.predict(np.ones((2, 8), np.float32), verbose=0)
-    plain = f8.Dense(4, recipe=None)
-    keras.Sequential([keras.Input((8,)), plain]).quantize("int8", type_check=False)
-    assert plain.quantization_mode == "int8"
+
+
+@pytest.mark.parametrize("mode", ["int8", "float8"])
+def test_a_recipe_none_layer_takes_keras_quantization_as_keras_dense_does(tmp_path, mode) -> None:
+    """With recipe=None the layers are Keras's: ``quantize`` (layer or model, default
+    type_check), a quantized dtype policy at construction, and a ``.keras`` round trip of the
+    quantized model work and compute what ``keras.layers.Dense`` computes. Keras's subclass
+    check refused all but ``Model.quantize(type_check=False)``, and a quantized policy raised
+    at build (so such a file could not be loaded)."""
+    x = np.linspace(-2.0, 2.0, 16, dtype=np.float32).reshape(2, 8)
+    kernel = np.linspace(-1.0, 1.0, 32, dtype=np.float32).reshape(8, 4)
+    bias = np.ones(4, np.float32)
+
+    def quantized(cls: Any, how: str) -> keras.Model:
+        layer = cls(4)
+        model = keras.Sequential([keras.Input((8,)), layer])
+        layer.set_weights([kernel, bias])
+        if how == "layer":
+            layer.quantize(mode)
+        else:
+            model.quantize(mode)
+        assert layer.quantization_mode == mode
+        return model
+
+    want = quantized(keras.layers.Dense, "model")(x).numpy()
+    for how in ("layer", "model"):
+        model = quantized(lambda n: f8.Dense(n, recipe=None), how)
+        np.testing.assert_array_equal(model(x).numpy(), want)
+    path = str(tmp_path / "quantized.keras")
+    model.save(path)
+    np.testing.assert_array_equal(keras.models.load_model(path)(x).numpy(), want)
+    policy = {"int8": "int8_from_float32", "float8": "float8_from_float32"}[mode]
+    built = f8.Dense(4, recipe=None, dtype=policy)
+    assert built(x).shape == (2, 4) and built.quantization_mode == mode
 
 
 def test_autocast_sets_construction_defaults_only() -> None:
