@@ -28,6 +28,8 @@ __all__ = [
     "require_int",
 ]
 
+_FLOAT_MAX = sys.float_info.max  # the largest Python float
+
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 FIRST_STEP_SCALINGS = ("unity", "current")
 
@@ -205,8 +207,8 @@ class DelayedScaling(_RecipeBase):
         margin = self.margin
         if isinstance(margin, bool) or not isinstance(margin, (int, float)):
             raise TypeError(f"margin must be an int or a finite float, got {margin!r}")
-        if not math.isfinite(margin):
-            raise ValueError(f"margin must be finite, got {margin!r}")
+        if abs(margin) > _FLOAT_MAX or not math.isfinite(margin):  # an int past float range too
+            raise ValueError(f"margin must be finite (within the float range), got {margin!r}")
         require_int("interval", self.interval, 1)
         require_int("amax_history_len", self.amax_history_len, 1)
         algo = self.amax_compute_algo
@@ -294,6 +296,12 @@ def _resolve_callable(field_name: str, spec: Any) -> Callable[..., Any]:
         raise ValueError(
             f"{field_name}: callable {name!r} is not reachable; import its module before "
             f"rebuilding the recipe (fp8kit never imports code named in a checkpoint)"
+        )
+    if isinstance(obj, type):  # the type of an object without a name of its own
+        raise ValueError(
+            f"{field_name}: {name!r} names a class, the type of the recipe's callable (a "
+            "functools.partial or an instance with __call__ has no module-level name), so the "
+            "callable cannot be rebuilt; use a function defined at module level"
         )
     return obj
 

@@ -145,6 +145,8 @@ def test_override_list_becomes_tuple() -> None:
     [
         ({"margin": float("nan")}, ValueError, "margin"),
         ({"margin": float("inf")}, ValueError, "margin"),
+        ({"margin": 10**400}, ValueError, "margin must be finite"),  # was an OverflowError
+        ({"margin": -(10**400)}, ValueError, "margin must be finite"),
         ({"margin": "1"}, TypeError, "margin"),
         ({"margin": True}, TypeError, "margin"),
         ({"interval": 0}, ValueError, "interval"),
@@ -230,6 +232,10 @@ def test_callables_without_a_qualname_serialise_by_their_type(algo: object) -> N
     assert json.loads(json.dumps(recipe.to_dict()))["amax_compute_algo"] == {"callable": name}
     with pytest.raises(ValueError, match=r"layer x: recipe\.amax_compute_algo is"):
         check_rebuildable(recipe, "layer x")
+    # rebuilding from that name refuses: the type found there is not the callable (it came
+    # back as the class, and failed at the first update with an unrelated TypeError)
+    with pytest.raises(ValueError, match=r"amax_compute_algo: .* names a class"):
+        recipe_from_dict(json.loads(json.dumps(recipe.to_dict())))
 
 
 def test_check_rebuildable_refuses_callables_a_config_cannot_name() -> None:
