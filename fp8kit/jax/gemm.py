@@ -13,6 +13,7 @@ float32 (every FP8 value and every product of two is exact there) and runs a flo
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import jax
@@ -20,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fp8kit.formats import E4M3, E5M2
+from fp8kit.formats import E4M3, E5M2, FP8Format
 from fp8kit.jax.quantization import (
     Float8Array,
     as_scale,
     cast_to_fp8,
+    check_high_precision,
     fp8_format_of,
     high_precision_dtype,
 )
@@ -191,6 +193,12 @@ def fp8_matmul(
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, Float8Array):
             raise TypeError(f"{name} must be a Float8Array, got {type(t).__name__}")
+        inv = t.scale_inv
+        if getattr(inv, "dtype", None) != jnp.float32 or getattr(inv, "size", 0) != 1:
+            raise TypeError(
+                f"{name}.scale_inv must be a float32 array with one element, got "
+                f"{getattr(inv, 'dtype', type(inv).__name__)} of shape {getattr(inv, 'shape', ())}"
+            )
     out_dtype = high_precision_dtype(out_dtype, "out_dtype")
     if out_scale is not None and out_dtype != np.float32:
         raise ValueError(
@@ -200,18 +208,36 @@ def fp8_matmul(
     m, n = check_matmul_args(
         a.shape, b.shape, activation, out_scale is not None, out_fp8_dtype is not None
     )
+    if bias is not None:
+        bias = check_high_precision(bias, "bias")
+        if tuple(bias.shape) not in ((n,), (m, n)):
+            raise ValueError(f"bias must have shape ({n},) or ({m}, {n}), got {bias.shape}")
+    if out_scale is None:
+        return _matmul(a, b, bias, activation, out_dtype, None, None)
+    fmt = E4M3 if out_fp8_dtype is None else fp8_format_of(out_fp8_dtype, "out_fp8_dtype")
+    return _matmul(a, b, bias, activation, out_dtype, as_scale(out_scale, "out_scale"), fmt)
+
+
+# Jitted, so a call run op by op gives the bits of the same call inside a jitted step (XLA may
+# fuse the scale and the bias into one multiply-add), as the layers' jitted rules do.
+@partial(jax.jit, static_argnums=(3, 4, 6))
+def _matmul(
+    a: Float8Array,
+    b: Float8Array,
+    bias: jax.Array | None,
+    activation: str | None,
+    out_dtype: np.dtype,
+    scale: jax.Array | None,
+    fmt: FP8Format | None,
+) -> jax.Array | Float8Array:
+    """:func:`fp8_matmul` of checked arguments (``scale``/``fmt`` None: high precision)."""
     y = scaled_dot_general(
         a.data, a.scale_inv, b.data, b.scale_inv, (((1,), (0,)), ((), ())), jnp.float32
     )
     if bias is not None:
-        if not hasattr(bias, "shape") or tuple(bias.shape) not in ((n,), (m, n)):
-            got = tuple(bias.shape) if hasattr(bias, "shape") else type(bias).__name__
-            raise ValueError(f"bias must have shape ({n},) or ({m}, {n}), got {got}")
         y = y + bias.astype(jnp.float32)
     y = _apply_activation(y, activation)
-    if out_scale is None:
+    if scale is None or fmt is None:
         return y.astype(out_dtype)
-    fmt = E4M3 if out_fp8_dtype is None else fp8_format_of(out_fp8_dtype, "out_fp8_dtype")
-    scale = as_scale(out_scale, "out_scale")
     data, amax = cast_to_fp8(y, scale, fmt)
     return Float8Array(data, jnp.reciprocal(scale), amax)

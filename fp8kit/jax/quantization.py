@@ -132,14 +132,17 @@ class Float8Array:
 
 
 def high_precision_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
-    """``dtype`` as a numpy dtype if it is a high-precision float (float32, bfloat16, float16);
-    else a TypeError naming ``name``."""
+    """``dtype`` as a numpy dtype if it is a high-precision float (float32, bfloat16, float16;
+    float64 too, for programs with ``jax_enable_x64``); else a TypeError naming ``name``."""
     try:
         dt = np.dtype(dtype)
     except TypeError:
         dt = None
     if dt is None or not jnp.issubdtype(dt, jnp.floating) or dt.name in FORMATS_BY_NAME:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {dtype!r}")
+        raise TypeError(
+            f"{name} must be a high-precision float dtype (float32, bfloat16, float16; float64 "
+            f"with jax_enable_x64), got {dtype!r}"
+        )
     return dt
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 
 # Eight host devices for the (2, 4) mesh tests. LLVM optimisation level 0 halves XLA's CPU compile
-# time, which dominates these tests (tiny arrays, many small programs); IEEE float semantics are
-# the same at every level (XLA never enables fast-math here).
+# time, which dominates these tests (tiny arrays, many small programs). XLA never enables
+# fast-math, but only its default level contracts a multiply and an add into one fused
+# multiply-add (one rounding instead of two): a test of jitted against op-by-op bits where that
+# can happen runs in a process of its own at the default level (test_gemm.py).
 _FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0")
 for _flag in _FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):

@@ -464,7 +464,7 @@ def test_bad_arguments_are_reported(operands) -> None:
         f8.dot_general(x.astype(np.int32), w, DIMS, meta)
     # Accepted before: an int32 result of the FP8 GEMM, and a precision nothing looked at.
     for dtype in (jnp.int32, jnp.float8_e4m3fn, "rows"):
-        with pytest.raises(TypeError, match="preferred_element_type must be float32, bfloat16"):
+        with pytest.raises(TypeError, match="preferred_element_type must be a high-precision"):
             f8.dot_general(x, w, DIMS, meta, preferred_element_type=dtype)
     with pytest.raises(ValueError, match="precision: Precision argument must be one of"):
         f8.dot_general(x, w, DIMS, meta, precision="bogus")
