@@ -97,13 +97,15 @@ class _Fp8Layer(nn.Module):
             )
         if recipe is None:
             raise ValueError(
-                f"{self._where()!r} was constructed with FP8 disabled (recipe=None or "
-                f"autocast(enabled=False)) but the variables hold FP8 state for it: to run in "
-                f"high precision, apply without the {FP8_COLLECTION!r} collection"
+                f"{self._where()!r} runs with FP8 disabled (recipe=None, or an "
+                f"autocast(enabled=False) where it was constructed or around this call) but the "
+                f"variables hold FP8 state for it: to run in high precision, apply without the "
+                f"{FP8_COLLECTION!r} collection"
             )
         if recipe is not UNSET and recipe != meta.recipe:
             raise ValueError(
-                f"{self._where()!r} was constructed with recipe {recipe} but its FP8 state "
+                f"{self._where()!r} runs with recipe {recipe} (its recipe= field, or the "
+                f"f8.autocast where it was constructed or around this call) but its FP8 state "
                 f"belongs to {meta.recipe}; convert the state with fp8kit.jax.with_recipe"
             )
         return meta, mutable

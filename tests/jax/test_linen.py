@@ -538,3 +538,26 @@ def test_autocast_only_sets_construction_defaults() -> None:
         Dense(3, recipe="hybrid")
     with pytest.raises(TypeError, match="enabled must be a bool"), f8.autocast(enabled="yes"):
         pass
+
+
+def test_a_layer_built_outside_any_autocast_takes_the_one_around_init_and_apply() -> None:
+    """Flax constructs a module again for each init and apply, so a layer built outside any
+    autocast runs with the autocast around the call, as compact children do and as Transformer
+    Engine's fp8_autocast works (docs/jax.md, "Where the recipe comes from"); the errors say
+    where the recipe came from instead of "was constructed with"."""
+    x = jnp.ones((2, 4))
+    layer = Dense(3)
+    assert "fp8_meta" not in layer.init(jax.random.key(0), x)  # no autocast: high precision
+    with f8.autocast(recipe=RECIPE):
+        v = layer.init(jax.random.key(0), x)
+    assert metas(v)[0].recipe == RECIPE
+    assert layer.apply(v, x).shape == (2, 3)  # outside any autocast: the state's recipe
+    other = f8.autocast(recipe=f8.DelayedScaling(amax_history_len=4))
+    with pytest.raises(ValueError, match=r"runs with recipe .* or around this call\) but"), other:
+        layer.apply(v, x)
+    with pytest.raises(ValueError, match="runs with FP8 disabled"), f8.autocast(enabled=False):
+        layer.apply(v, x)
+    params = {"params": v["params"]}  # high precision: the params alone
+    want = np.asarray(layer.apply(params, x))
+    with f8.autocast(enabled=False):
+        np.testing.assert_array_equal(np.asarray(layer.apply(params, x)), want)
