@@ -19,12 +19,25 @@ pytest.importorskip("matplotlib")
 
 from fp8kit.__main__ import main as fp8kit_main  # noqa: E402
 from fp8kit.demo import charts  # noqa: E402
-from fp8kit.demo.cli import MODEL, parse_options  # noqa: E402
+from fp8kit.demo.cli import MODEL, QUICK_MODEL, parse_options  # noqa: E402
 from fp8kit.demo.cli import main as demo_main  # noqa: E402
 from fp8kit.demo.corpus import CorpusError, load_corpus, stdlib_files  # noqa: E402
-from fp8kit.demo.precision import Bf16Emulation  # noqa: E402
-from fp8kit.demo.report import RunInfo, machine_was_busy, speed_note  # noqa: E402
-from fp8kit.demo.train import RunResult, TrainConfig, batch_offsets, lr_at  # noqa: E402
+from fp8kit.demo.model import GPT  # noqa: E402
+from fp8kit.demo.precision import Bf16Emulation, make_variant  # noqa: E402
+from fp8kit.demo.report import (  # noqa: E402
+    OUTPUT_FILES,
+    RunInfo,
+    machine_was_busy,
+    speed_note,
+)
+from fp8kit.demo.train import (  # noqa: E402
+    RunResult,
+    TrainConfig,
+    _evaluate,
+    batch_offsets,
+    lr_at,
+)
+from fp8kit.torch.checkpoint import fp8_metas  # noqa: E402
 
 PNGS = ("loss.png", "fp8_amax_scale.png", "fp8_saturation_flush.png")
 
@@ -73,8 +86,8 @@ def test_quick_run_metrics_hold_finite_numbers(quick_run: Path) -> None:
     variants = {r["variant"] for r in rows}
     assert variants == {"fp32", "bf16", "fp8-delayed", "fp8-current"}
     for r in rows:
-        if r["lr_step_loss"]:
-            _finite(r["lr_step_loss"])
+        if r["train_loss"]:
+            _finite(r["train_loss"])
             _finite(r["step_time_s"])
         if r["val_loss"]:
             _finite(r["val_loss"])
@@ -476,3 +489,42 @@ def test_speed_note_explains_the_device_and_flags_a_busy_machine() -> None:
     assert gpu.startswith("This run trained on Some GPU.")
     assert "1024 tokens through GEMMs 128 to 512 wide" in gpu
     assert gpu.endswith("docs/benchmarks.md.")
+
+
+def test_evaluation_leaves_the_fp8_scaling_state_of_the_training_alone() -> None:
+    """Validation windows run under no_grad in the variant's FP8 autocast; fp8kit (as TE) stages
+    such a pass's amaxes for the next training step's event, so the demo puts them back: the
+    validation data never moves the training scales."""
+    torch.manual_seed(0)
+    variant = make_variant("fp8-delayed")
+    model = GPT(QUICK_MODEL)
+    x = torch.randint(0, 256, (2, QUICK_MODEL.block_size))
+    with variant.context():  # one training step, so the state is bound and non-trivial
+        model(x, x).backward()
+    before = {n: m.state_dict() for n, m in fp8_metas(model)}
+    assert before, "the FP8 variant's model has FP8 modules"
+    val = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    loss = _evaluate(model, variant, val, TrainConfig(eval_windows=4, batch_size=2))
+    assert math.isfinite(loss)
+    for name, meta in fp8_metas(model):
+        for key, value in meta.state_dict().items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, before[name][key]), (name, key)
+
+
+def test_a_run_writes_only_its_listed_files_and_a_new_run_clears_them(
+    quick_run: Path, tmp_path: Path
+) -> None:
+    """A re-run into the same folder (say with fewer variants) left the earlier run's FP8
+    charts and statistics beside its new report; a new run removes every file a run may write
+    (OUTPUT_FILES, which lists all of them) and nothing else."""
+    assert {p.name for p in quick_run.iterdir()} <= set(OUTPUT_FILES)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in (*OUTPUT_FILES, "notes.txt"):
+        (out / name).write_text("an earlier run")
+    args = ["--quick", "--steps", "1", "--variants", "fp32", "--device", "cpu", "--out", str(out)]
+    assert demo_main(args) == 0
+    left = {p.name for p in out.iterdir()}
+    assert "notes.txt" in left and "fp8_stats.csv" not in left and "fp8_amax_scale.png" not in left
+    assert (out / "report.md").read_text() != "an earlier run"

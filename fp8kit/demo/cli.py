@@ -24,7 +24,7 @@ from fp8kit.demo.machine import choose_threads, load_average, machine_info
 from fp8kit.demo.model import GPT, GPTConfig
 from fp8kit.demo.precision import VARIANTS, bf16_slowdown, make_variant
 from fp8kit.demo.progress import format_duration
-from fp8kit.demo.report import RunInfo, fmt_number, summary_rows, write_report
+from fp8kit.demo.report import OUTPUT_FILES, RunInfo, fmt_number, summary_rows, write_report
 from fp8kit.demo.train import RunResult, TrainConfig, train_variant
 from fp8kit.torch import gemm
 from fp8kit.torch.quantization import quantize
@@ -187,9 +187,13 @@ def _prove_writable(out: Path, text: str) -> None:
 
 
 def _make_output_folder(out: Path) -> None:
-    """Create ``--out`` once every input is known to be valid, before training starts."""
+    """Create ``--out`` once every input is known to be valid, before training starts, and
+    remove an earlier run's files from it (:data:`OUTPUT_FILES`; other files stay), so the
+    folder never holds charts or statistics of another run."""
     try:
         out.mkdir(parents=True, exist_ok=True)
+        for name in OUTPUT_FILES:
+            (out / name).unlink(missing_ok=True)
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise UsageError(f"--out: cannot write to folder {out}: {reason}") from None
@@ -253,7 +257,7 @@ def _train_config(opts: Options) -> TrainConfig:
         return TrainConfig(
             steps=opts.steps,
             batch_size=4,
-            warmup_steps=2,
+            warmup_steps=min(2, max(1, opts.steps // 10)),
             eval_every=max(1, opts.steps // 2),
             eval_windows=8,
             inspect_every=2,  # leaves steps that are not inspected for the tokens/s figure
@@ -262,6 +266,9 @@ def _train_config(opts: Options) -> TrainConfig:
     return replace(
         TrainConfig(),
         steps=opts.steps,
+        # a tenth of a short run (at most the default): the cosine decay the report describes
+        # then still happens
+        warmup_steps=min(TrainConfig.warmup_steps, max(1, opts.steps // 10)),
         eval_every=min(TrainConfig.eval_every, opts.steps),
         seed=opts.seed,
     )

@@ -18,6 +18,7 @@ from fp8kit.demo.train import RunResult, TrainConfig
 from fp8kit.torch.inspect import DEFINITIONS, write_csv, write_json
 
 __all__ = [
+    "OUTPUT_FILES",
     "TARGET_GAP_PERCENT",
     "RunInfo",
     "fmt_number",
@@ -29,6 +30,18 @@ __all__ = [
 ]
 
 TARGET_GAP_PERCENT = 2.0
+OUTPUT_FILES = (
+    "report.md",
+    "metrics.csv",
+    "results.json",
+    "fp8_stats.csv",
+    "fp8_stats.json",
+    "loss.png",
+    "fp8_amax_scale.png",
+    "fp8_saturation_flush.png",
+)
+"""Every file a run may write into its folder (charts included); a new run removes them first,
+so a folder never mixes two runs' files."""
 
 
 @dataclass
@@ -156,7 +169,7 @@ def write_metrics(results: Sequence[RunResult], info: RunInfo, out: Path) -> lis
     csv_path = out / "metrics.csv"
     with open(csv_path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["variant", "step", "lr_step_loss", "val_loss", "step_time_s", "inspected"])
+        w.writerow(["variant", "step", "train_loss", "val_loss", "step_time_s", "inspected"])
         for r in results:
             val = dict(r.val_loss)
             if 0 in val:
@@ -264,10 +277,11 @@ def speed_note(info: RunInfo) -> list[str]:
         "variant does the fp32 variant's work plus the casts, scale bookkeeping and upcasts, "
         "and on an otherwise idle CPU runs slower than fp32. Its *speed vs fp32* shows that "
         "overhead, not the speed of FP8 hardware; the numbers worth reading on a CPU are the "
-        "losses. bf16 matmuls are fast on CPUs with bf16 "
-        f"units (AMX-BF16, AVX512-BF16; this CPU: {_bf16_units_text(info.machine)}) and slower "
-        "than float32 elsewhere; an emulated bf16 variant's tokens/s is not a bf16 speed, and "
-        "*speed vs bf16* is then n/a. On a GPU with FP8 tensor cores (Hopper, Ada), run with "
+        "losses. Whether a bf16 matmul beats float32 on a CPU depends on its units and on "
+        "torch's kernels for them (AMX-BF16 usually does; AVX512-BF16 alone may not; this CPU: "
+        f"{_bf16_units_text(info.machine)}); this run measured it (*bf16* under Setup). An "
+        "emulated bf16 variant's tokens/s is not a bf16 speed, and *speed vs bf16* is then n/a, "
+        "and a native bf16 variant slower than fp32 makes *speed vs bf16* flatter FP8. On a GPU with FP8 tensor cores (Hopper, Ada), run with "
         "`--device cuda` (the default `--device auto` picks CUDA when it is there): the FP8 "
         "GEMMs then run on the tensor cores and the report compares tokens/s with native bf16. "
         "Expect FP8 to pay off on large GEMMs only; at this demo's size the per-layer overheads "
@@ -285,7 +299,7 @@ def _bf16_units_text(machine: dict[str, Any]) -> str:
 def _stats_summary(result: RunResult) -> list[str]:
     """Worst values over the run per slot kind (after the first step, which uses scale 1)."""
     lines = []
-    later = [r for r in result.stats if r.step > 0] or result.stats
+    later = [r for r in result.stats if r.step > 1] or result.stats
     for slot in ("INPUT", "WEIGHT", "GRAD_OUTPUT"):
         picked = [r for r in later if r.slot == slot]
         if not picked:
@@ -375,13 +389,13 @@ def render_report(results: Sequence[RunResult], info: RunInfo, charts: Sequence[
             "`fp8kit.torch.inspect.Inspector`, one line per GEMM (`blocks.N.qkv`, "
             "`blocks.N.proj`, `blocks.N.mlp.fc1`, `blocks.N.mlp.fc2`). INPUT and WEIGHT are "
             "E4M3 (forward), GRAD_OUTPUT is E5M2 (backward). The scale of step k comes from the "
-            "amax history up to step k−1 (delayed scaling); step 0 uses scale 1.",
+            "amax history up to step k−1 (delayed scaling); step 1 uses scale 1.",
             "",
             "![amax and scale per layer](fp8_amax_scale.png)",
             "",
             "![saturation, flush to zero and SNR per layer](fp8_saturation_flush.png)",
             "",
-            "Worst values over the run (step 0, quantized with scale 1, left out):",
+            "Worst values over the run (step 1, quantized with scale 1, left out):",
             "",
             "| slot | format | max saturated | max flushed to zero | min SNR (dB) "
             "| median SNR (dB) |",

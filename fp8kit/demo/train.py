@@ -19,6 +19,7 @@ from fp8kit.demo.corpus import Corpus
 from fp8kit.demo.model import GPT, GPTConfig
 from fp8kit.demo.precision import Variant
 from fp8kit.demo.progress import ProgressBar
+from fp8kit.torch.checkpoint import fp8_metas
 from fp8kit.torch.inspect import Inspector, SlotStats
 
 __all__ = ["RunResult", "TrainConfig", "batch_offsets", "lr_at", "train_variant"]
@@ -128,13 +129,21 @@ def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimize
 
 
 def _evaluate(model: GPT, variant: Variant, val: torch.Tensor, cfg: TrainConfig) -> float:
-    """Mean loss over the fixed validation windows of ``val`` (bytes, on the model's device)."""
+    """Mean loss over the fixed validation windows of ``val`` (bytes, on the model's device), in
+    the variant's arithmetic, leaving the training's FP8 scaling state as it was.
+
+    A forward pass under ``torch.no_grad()`` stages its amaxes for the next training step's
+    update event, as in Transformer Engine (docs/semantics.md section 3); the validation
+    windows must not move the training scales, so their staged amaxes are put back."""
     block = model.cfg.block_size
+    staged = [(m.forward, m.forward.amax_history[0].clone()) for _, m in fp8_metas(model)]
     total = count = 0.0
     with torch.no_grad(), variant.context():
         for x, y in _val_batches(val, block, cfg.eval_windows, cfg.batch_size):
             total += model(x, y).item() * x.shape[0]
             count += x.shape[0]
+        for state, row in staged:
+            state.amax_history[0].copy_(row)
     return total / count
 
 
@@ -203,9 +212,9 @@ def train_variant(
             result.inspected.append(sampled)
             result.train_loss.append(value)
             if inspector is not None:
-                result.stats.extend(inspector.step(step))
+                result.stats.extend(inspector.step(step + 1))  # steps count from 1 (metrics.csv)
             if not math.isfinite(value):
-                result.diverged = f"non-finite training loss {value} at step {step}"
+                result.diverged = f"non-finite training loss {value} at step {step + 1}"
                 break
             done = step + 1
             if done % cfg.eval_every == 0 or done == cfg.steps:
