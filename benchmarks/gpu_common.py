@@ -8,6 +8,7 @@ Kept apart from :mod:`benchmarks.gpu` (which measures) so that it is unit-tested
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -78,6 +79,28 @@ def repeats_for(sample_ms: float, target_ms: float = 1000.0, lo: int = 10, hi: i
     if not (sample_ms > 0 and math.isfinite(sample_ms)):
         return hi
     return max(lo, min(hi, int(target_ms / sample_ms)))
+
+
+_HOLD_CYCLES = 5_000_000  # a few milliseconds of GPU clock: longer than one call's host work
+
+
+def kernel_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` on the GPU (one pair of CUDA events per call), its kernels
+    alone: a sleep kernel holds the stream while the host launches them, so the start event
+    fires when they are queued (without it, an idle GPU timed the host's launch work too)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(_HOLD_CYCLES)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def cell(fn: Callable[[], Any]) -> Any:

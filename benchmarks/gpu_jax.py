@@ -340,10 +340,15 @@ def main(out_json_path: str | None = None, warmup: int = 3, repeats: int = 20) -
         for name, shape in (("mlp", MlpShape()), ("transformer", TransformerShape())):
             result["cases"].append(run_case(name, shape, warmup, repeats))
             print("\n" + _table(result["cases"][-1]), flush=True)  # a time limit keeps these
+            _save(result, out_json_path)  # and this file
+    _save(result, out_json_path)
+    return result
+
+
+def _save(result: dict[str, Any], out_json_path: str | None) -> None:
     if out_json_path is not None:
         with open(out_json_path, "w") as f:
             json.dump(result, f, indent=1)
-    return result
 
 
 if __name__ == "__main__":

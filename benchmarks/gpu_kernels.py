@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from benchmarks.gpu_common import device_event_kind
+from benchmarks.gpu_common import device_event_kind, kernel_ms
 from fp8kit.torch import kernels
 from fp8kit.torch.kernels import triton_cast
 
@@ -36,22 +35,6 @@ _E4M3 = torch.float8_e4m3fn
 _N_ELEMENTS = 64 << 20
 _SIDE = 8192  # 8192 x 8192 = 64M
 _TRITON_CASTS = ("cast+amax", "cast+transpose+amax", "cast+transpose+dbias+amax")
-
-
-def _median_ms(fn: Callable[[], object], repeats: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn`` on the GPU (one pair of CUDA events per call)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def host_us(fn: Callable[[], object], calls: int = 300) -> float:
@@ -90,7 +73,7 @@ def _bandwidth(dtype: torch.dtype, repeats: int) -> dict[str, Any]:
     scale = torch.tensor(448.0 / 3.0, device="cuda")
     staging = torch.zeros(16, 3, device="cuda")
     slot = staging[0, 0]
-    copy_ms = _median_ms(lambda: dst.copy_(x), repeats)
+    copy_ms = kernel_ms(lambda: dst.copy_(x), repeats)
     copy_rate = 2 * n * item / copy_ms / 1e6  # GB/s, bytes read + written
     triton = "triton"  # named: a failing kernel raises instead of timing the torch fallback
     variants: dict[str, tuple[Callable[[], object], int]] = {
@@ -112,7 +95,7 @@ def _bandwidth(dtype: torch.dtype, repeats: int) -> dict[str, Any]:
         ),
         "current scaling cast+transpose (2 reads)": (
             lambda: kernels.cast_fp8_current(x, _E4M3, transpose=True, backend=triton),
-            n * (item + 2),
+            n * (2 * item + 2),  # both reads of x counted
         ),
         "reference cast+transpose+dbias (torch)": (
             lambda: kernels.cast_fp8(
@@ -123,7 +106,7 @@ def _bandwidth(dtype: torch.dtype, repeats: int) -> dict[str, Any]:
     }
 
     def row(fn: Callable[[], object], nbytes: int) -> dict[str, float]:
-        ms = _median_ms(fn, repeats)
+        ms = kernel_ms(fn, repeats)
         rate = nbytes / ms / 1e6
         return {"ms": ms, "GB/s": rate, "x copy": rate / copy_rate}
 
@@ -157,7 +140,7 @@ def _update(length: int, repeats: int) -> dict[str, Any]:
                 history, scale, scale_inv, count, fmax=448.0, staging=staging, backend=backend
             )
 
-        out[f"{backend} ms"] = _median_ms(event, repeats)
+        out[f"{backend} ms"] = kernel_ms(event, repeats)
         out[f"{backend} kernels"] = _kernels_per_call(event)
     return out
 

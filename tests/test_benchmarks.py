@@ -438,3 +438,27 @@ def test_fp8kit_commit_prefers_the_environment(monkeypatch) -> None:
     assert gpu.fp8kit_commit() == "abc1234"
     monkeypatch.delenv("FP8KIT_COMMIT")
     assert gpu.fp8kit_commit() == "n/a"
+
+
+def test_sub_benchmarks_are_saved_after_each_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A time limit on the sub-benchmarks (JAX compiles for minutes) used to lose every
+    result: the section saved only at its end. Now the caller gets the results so far after
+    each module, and a failing module holds its error without stopping the others."""
+    import sys
+    import types
+
+    from benchmarks import gpu
+
+    def failing(path: str) -> None:
+        raise RuntimeError("no GPU")
+
+    mains = {"_fake_kernels": lambda path: {"ms": 1.0}, "_fake_jax": failing}
+    for name, main in mains.items():
+        module = types.ModuleType(f"benchmarks.{name}")
+        module.main = main  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, f"benchmarks.{name}", module)
+    monkeypatch.setattr(gpu, "SUB_BENCHMARKS", tuple(mains))
+    saved: list[dict] = []
+    results = gpu.sub_section("out/gpu.json", lambda so_far: saved.append(dict(so_far)))
+    assert [list(s) for s in saved] == [["_fake_kernels"], ["_fake_kernels", "_fake_jax"]]
+    assert saved[0]["_fake_kernels"] == {"ms": 1.0} and "no GPU" in str(results["_fake_jax"])
