@@ -280,12 +280,13 @@ def speed_note(info: RunInfo) -> list[str]:
         "losses. Whether a bf16 matmul beats float32 on a CPU depends on its units and on "
         "torch's kernels for them (AMX-BF16 usually does; AVX512-BF16 alone may not; this CPU: "
         f"{_bf16_units_text(info.machine)}); this run measured it (*bf16* under Setup). An "
-        "emulated bf16 variant's tokens/s is not a bf16 speed, and *speed vs bf16* is then n/a, "
-        "and a native bf16 variant slower than fp32 makes *speed vs bf16* flatter FP8. On a GPU with FP8 tensor cores (Hopper, Ada), run with "
-        "`--device cuda` (the default `--device auto` picks CUDA when it is there): the FP8 "
-        "GEMMs then run on the tensor cores and the report compares tokens/s with native bf16. "
-        "Expect FP8 to pay off on large GEMMs only; at this demo's size the per-layer overheads "
-        "dominate on a GPU too. Measured numbers, with their machines: docs/benchmarks.md.",
+        "emulated bf16 variant's tokens/s is not a bf16 speed, and *speed vs bf16* is then n/a; "
+        "a native bf16 variant slower than fp32 makes *speed vs bf16* flatter FP8. On a GPU "
+        "with FP8 tensor cores (Hopper, Ada), run with `--device cuda` (the default "
+        "`--device auto` picks CUDA when it is there): the FP8 GEMMs then run on the tensor "
+        "cores and the report compares tokens/s with native bf16. Expect FP8 to pay off on "
+        "large GEMMs only; at this demo's size the per-layer overheads dominate on a GPU too. "
+        "Measured numbers, with their machines: docs/benchmarks.md.",
     ]
 
 
