@@ -230,6 +230,7 @@ class _Fp8LayerMixin:
             # the FP8 state starts fresh, as for a never-converted checkpoint in fp8kit.torch.
             for k, var in enumerate(plain):
                 var.assign(store[str(k)])
+            self.fp8_state.reset()  # scales measured on other weights would be wrong for these
             logger.info(
                 "fp8kit: layer %r loaded weights without FP8 state; its FP8 state starts fresh",
                 self.name,  # type: ignore[attr-defined]

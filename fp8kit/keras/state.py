@@ -233,6 +233,14 @@ class Fp8State:
             (hist[:, n_fwd:], scale[n_fwd:], count[n_fwd:]),
         )
 
+    def reset(self) -> None:
+        """Fresh values (histories and counts 0, scales 1, no microbatch pending): the state of
+        a newly built layer, for weights that arrive without FP8 state."""
+        scales = (self.fwd_scale, self.bwd_scale)
+        for var in self.variables:
+            fill = 1.0 if any(var is scale for scale in scales) else 0.0
+            var.assign(np.full(var.shape, fill, np.float32))
+
     def load(self, values: list[np.ndarray], where: str) -> None:
         """Assign saved values (``STATE_VARIABLES`` order), resizing histories of another length."""
         for var, name, value in zip(self.variables, STATE_VARIABLES, values, strict=True):

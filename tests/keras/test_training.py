@@ -120,7 +120,8 @@ def test_keras_file_and_tf_checkpoint_keep_the_state(rng, tmp_path) -> None:
 
 def test_weights_of_the_plain_keras_model_load_into_the_fp8_one(rng, tmp_path) -> None:
     """The drop-in swap: weights saved from the same model built with keras.layers.Dense load
-    into the f8.Dense model (kernels and biases), whose FP8 state starts fresh."""
+    into the f8.Dense model (kernels and biases), whose FP8 state starts fresh, also after it
+    trained (the state used to stay, measured on other weights, while the log said fresh)."""
 
     def build(layer: type) -> keras.Model:
         return keras.Sequential([keras.Input((8,)), layer(6, activation="relu"), layer(2)])
@@ -129,12 +130,18 @@ def test_weights_of_the_plain_keras_model_load_into_the_fp8_one(rng, tmp_path) -
     plain.save_weights(tmp_path / "plain.weights.h5")
     with f8.autocast(recipe=RECIPE):
         fp8 = build(f8.Dense)
+    fp8.compile(optimizer="sgd", loss="mse")
+    x = rng.standard_normal((16, 8)).astype(np.float32)
+    fp8.fit(x, rng.standard_normal((16, 2)).astype(np.float32), batch_size=8, verbose=0)
+    assert state_arrays(fp8.layers[0])[2].any()  # trained: counts moved
     fp8.load_weights(tmp_path / "plain.weights.h5")
     for a, b in zip(plain.layers, fp8.layers, strict=True):
         np.testing.assert_array_equal(a.kernel.numpy(), b.kernel.numpy())
         np.testing.assert_array_equal(a.bias.numpy(), b.bias.numpy())
-        history, scale, count = state_arrays(b)[:3]
+        history, scale, count, bwd_history, bwd_scale, bwd_count, micro = state_arrays(b)
         assert not history.any() and not count.any() and scale.tolist() == [1.0, 1.0, 1.0]
+        assert not bwd_history.any() and not bwd_count.any() and bwd_scale.tolist() == [1.0, 1.0]
+        assert micro == 0
 
 
 def test_weights_of_another_history_length_are_resized_with_a_warning(rng, tmp_path) -> None:
