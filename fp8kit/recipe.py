@@ -240,6 +240,11 @@ class DelayedScaling(_RecipeBase):
                 "set one of them, not both"
             )
         _require_bool("reduce_amax", self.reduce_amax)
+        if not isinstance(self.first_step_scaling, str):
+            raise TypeError(
+                f"first_step_scaling must be a str, one of {list(FIRST_STEP_SCALINGS)}, "
+                f"got {self.first_step_scaling!r}"
+            )
         if self.first_step_scaling not in FIRST_STEP_SCALINGS:
             raise ValueError(
                 f"first_step_scaling must be one of {list(FIRST_STEP_SCALINGS)}, "

@@ -169,6 +169,7 @@ def test_override_list_becomes_tuple() -> None:
             "not both",
         ),
         ({"first_step_scaling": "zero"}, ValueError, "'unity', 'current'"),
+        ({"first_step_scaling": 1}, TypeError, "first_step_scaling must be a str"),
         ({"amax_history": 4}, TypeError, "amax_history"),
     ],
 )
