@@ -143,7 +143,9 @@ def value_and_grad(
     the ``nnx.Param`` gradients only (what ``nnx.Optimizer(..., wrt=nnx.Param).update`` takes),
     ``observations`` the FP8 observations for :func:`update`. With several ``argnums`` both
     are tuples; an argument that is not an NNX graph node (an array) gets its plain gradient
-    and ``None`` observations.
+    and ``None`` observations. An argument holding modules in a container (a tuple, list or
+    dict of them, as ``nnx.value_and_grad`` takes) gets both in that container, one entry per
+    module: ``update(model_i, observations[i])``.
     """
     nums = check_argnums(argnums)
     diff = tuple(nnx.DiffState(n, nnx.Any(nnx.Param, Fp8MetaVariable)) for n in nums)
@@ -156,8 +158,8 @@ def value_and_grad(
         ends = [
             var.get_value()
             for n in nums
-            if isinstance(args[n], nnx.Module)
-            for _, var in nnx.to_flat_state(nnx.state(args[n], Fp8MetaVariable))
+            for module in _modules_in(args[n])
+            for _, var in nnx.to_flat_state(nnx.state(module, Fp8MetaVariable))
         ]
         return tie_chain_ends(result, ends, has_aux)
 
@@ -165,14 +167,20 @@ def value_and_grad(
         observed, argnums=diff[0] if isinstance(argnums, int) else diff, has_aux=has_aux
     )
 
-    def split(state: Any) -> tuple[Any, Any]:
-        if not isinstance(state, nnx.State):
-            # An argument that is not a graph node (an array, a pytree of arrays) has a plain
-            # gradient and holds no FP8 state: None, as fp8kit.jax.value_and_grad gives.
-            return state, None
+    def split_state(state: nnx.State) -> tuple[Any, Any]:
         params, metas = nnx.split_state(state, nnx.Param, Fp8MetaVariable)
         _, obs = split_grads({path: var.get_value() for path, var in nnx.to_flat_state(metas)})
         return params, obs
+
+    def split(grad: Any) -> tuple[Any, Any]:
+        """A module's gradient state split into (param grads, observations); a container of
+        them split entry by entry; an argument that is not a graph node (an array, a pytree of
+        arrays) has a plain gradient and holds no FP8 state: None, as fp8kit.jax gives."""
+        leaves, treedef = jax.tree_util.tree_flatten(grad, is_leaf=_is_state)
+        if not any(_is_state(leaf) for leaf in leaves):
+            return grad, None
+        pairs = [split_state(leaf) if _is_state(leaf) else (leaf, None) for leaf in leaves]
+        return treedef.unflatten([p for p, _ in pairs]), treedef.unflatten([o for _, o in pairs])
 
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
         value, grads = inner(*args, **kwargs)
@@ -184,6 +192,16 @@ def value_and_grad(
         return value, params, obs
 
     return wrapped
+
+
+def _is_state(value: Any) -> bool:
+    return isinstance(value, nnx.State)
+
+
+def _modules_in(arg: Any) -> list[nnx.Module]:
+    """The NNX modules a differentiated argument holds: itself, or those in a container."""
+    leaves = jax.tree_util.tree_leaves(arg, is_leaf=lambda x: isinstance(x, nnx.Module))
+    return [leaf for leaf in leaves if isinstance(leaf, nnx.Module)]
 
 
 def _metas(model: nnx.Module) -> dict[Any, Fp8Meta]:

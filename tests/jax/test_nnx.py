@@ -194,3 +194,39 @@ def test_a_teacher_pass_under_stop_gradient_is_observed() -> None:
     got = obs[("fp8_meta",)]
     assert float(got.forward[0]) == float(jnp.max(jnp.abs(10 * x)))
     assert float(got.chains) == 1.0
+
+
+@pytest.mark.parametrize("box", ["tuple", "list", "dict"])
+def test_modules_in_a_container_are_observed_like_separate_arguments(box: str) -> None:
+    """``nnx.value_and_grad`` takes a container of modules as one argument. Their FP8
+    observations were dropped (None), the meta cotangents left among the param gradients, and
+    an update with them rolled nothing: scales stuck at 1. Now each module's gradients and
+    observations sit in the same container, equal to passing the modules separately, a
+    stop_gradient call made last included."""
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(random_fp8_friendly(rng, (4, 6)))
+    with f8.autocast(recipe=RECIPE):
+        first, second = Linear(6, 6, rngs=nnx.Rngs(0)), Linear(6, 6, rngs=nnx.Rngs(1))
+
+    def apart(a, b):
+        return jnp.sum(a(x) ** 2) + jnp.sum(jax.lax.stop_gradient(b(3 * x)))
+
+    pack = {"tuple": lambda a, b: (a, b), "list": lambda a, b: [a, b]}
+    pack["dict"] = lambda a, b: {"a": a, "b": b}
+    unpack = (lambda m: (m["a"], m["b"])) if box == "dict" else tuple
+
+    def boxed(models):
+        return apart(*unpack(models))
+
+    _, (g_a, g_b), (o_a, o_b) = value_and_grad(apart, argnums=(0, 1))(first, second)
+    _, grads, obs = value_and_grad(boxed)(pack[box](first, second))
+    for got, want in ((unpack(grads), (g_a, g_b)), (unpack(obs), (o_a, o_b))):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert all(
+        "fp8_meta" not in str(path) for g in unpack(grads) for path, _ in nnx.to_flat_state(g)
+    )
+    got_b = unpack(obs)[1][("fp8_meta",)]
+    assert float(got_b.forward[0]) == float(jnp.max(jnp.abs(3 * x)))  # the stop_gradient call
+    update(second, unpack(obs)[1])
+    assert float(second.fp8_meta.get_value().forward.scale[0]) != 1.0
