@@ -91,7 +91,9 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
             device=device,
             dtype=dtype,
         )
-        self.fp8_meta = FP8Meta(num_gemms=4, device=device, label="MultiheadAttention")
+        self.fp8_meta = FP8Meta(
+            num_gemms=4, device=device, label=f"MultiheadAttention({embed_dim}, {num_heads})"
+        )
         self._init_fp8_owner()
 
     def forward(  # type: ignore[override]

@@ -103,10 +103,10 @@ class _FP8Block(FP8StateOwner, nn.Module):
 
     fp8_gemm_names: tuple[str, ...] = ()
 
-    def _init_fp8(self, device: torch.device | str | None) -> None:
-        self.fp8_meta = FP8Meta(
-            num_gemms=len(self.fp8_gemm_names), device=device, label=type(self).__name__
-        )
+    def _init_fp8(self, device: torch.device | str | None, *sizes: int) -> None:
+        """Create ``fp8_meta``, labelled by type and ``sizes`` until a path names it."""
+        label = f"{type(self).__name__}({', '.join(map(str, sizes))})"
+        self.fp8_meta = FP8Meta(num_gemms=len(self.fp8_gemm_names), device=device, label=label)
         self._weight_cache: list[Float8Tensor | None] = [None] * len(self.fp8_gemm_names)
         self._init_fp8_owner()
 
@@ -200,7 +200,7 @@ class LayerNormLinear(_FP8Block):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
-        self._init_fp8(device)
+        self._init_fp8(device, self.in_features, self.out_features)
 
     def reset_parameters(self) -> None:
         """Norm weight 1, norm bias 0, the Linear by ``init_method`` (bias 0) or as
@@ -305,7 +305,7 @@ class LayerNormMLP(_FP8Block):
             self.register_parameter("fc1_bias", None)
             self.register_parameter("fc2_bias", None)
         self.reset_parameters()
-        self._init_fp8(device)
+        self._init_fp8(device, self.hidden_size, self.ffn_hidden_size)
 
     def reset_parameters(self) -> None:
         """Norm weight 1, norm bias 0, fc1 by ``init_method`` and fc2 by

@@ -165,3 +165,29 @@ def test_the_cuda_watch_warns_within_its_intervals(
     event, message = warned_at[0]
     assert "module 1" in message and "GRAD_INPUT" not in message
     assert event - 3 <= 2 * apply.GPU_CHECK_INTERVAL + lag
+
+
+def test_each_direction_warns_once_and_unlabelled_modules_name_their_sizes() -> None:
+    """One warning per module and direction (an inf in the input and one in the output gradient
+    name their slots apart), and a module no path labels names its type and sizes, as the
+    docs say (LayerNormMLP and the others gave only their type)."""
+    torch.manual_seed(0)
+    recipe = DelayedScaling(amax_history_len=3)
+    layer = f8.LayerNormMLP(16, 32)
+    assert layer.fp8_meta.forward.label == "LayerNormMLP(16, 32).forward"
+    assert f8.LayerNormLinear(8, 4).fp8_meta.backward.label == "LayerNormLinear(8, 4).backward"
+    assert f8.MultiheadAttention(8, 2).fp8_meta.forward.label == "MultiheadAttention(8, 2).forward"
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        layer.fc1_weight[0, 0] = float("inf")  # the input passes a norm first: the weight's slot
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with f8.autocast(recipe=recipe):
+                y = layer(x)
+            y.backward(torch.full_like(y, float("inf")))
+    texts = [str(w.message) for w in caught if w.category is NonfiniteAmaxWarning]
+    assert len(texts) == 2, texts
+    assert "forward amax history of LayerNormMLP(16, 32).forward (slot " in texts[0]
+    assert "backward amax history of LayerNormMLP(16, 32).backward (slot " in texts[1]
+    assert all("once per module and direction" in t for t in texts)

@@ -229,8 +229,9 @@ class NonfiniteWatch:
                     f"that slot keeps its scale while the value is in the window (up to "
                     f"amax_history_len={recipe.amax_history_len} update events). "
                     "fp8_meta.<direction>.nonfinite_count counts such events per slot; the "
-                    "Inspector reports them. Warned once per module (this state's uid: "
-                    f"{state.uid}; f8.label_fp8_modules(model) names modules by their path).",
+                    "Inspector reports them. Warned once per module and direction (this "
+                    f"state's uid: {state.uid}; f8.label_fp8_modules(model) names modules by "
+                    "their path).",
                     NonfiniteAmaxWarning,
                     stacklevel=2,
                 )
