@@ -146,7 +146,8 @@ def _event_facts(recipe: Recipe, group: Any) -> tuple[RecipePlan, int]:
                         "amax_reduction_group) pairs. Recipes compare by value but their "
                         "callables by identity, so a recipe built with a new lambda (or a new "
                         "group) at each step is a new recipe at each step: fp8kit keeps every "
-                        "one and torch.compile recompiles for each. Build the recipe once.",
+                        "one and torch.compile recompiles for each. Build the recipe once (a "
+                        "sweep over recipes that differ by value on purpose can ignore this).",
                         UserWarning,
                         stacklevel=4,
                     )
