@@ -22,7 +22,8 @@ from fp8kit.torch import kernels, slot_cast
 from fp8kit.torch.checkpoint import init_fp8_state
 from fp8kit.torch.inspect import Inspector, attached_inspector, cast_statistics
 from fp8kit.torch.inspect import stats as stats_module
-from fp8kit.torch.inspect.export import METRICS
+from fp8kit.torch.inspect.export import DEFINITIONS, METRICS, write_tensorboard
+from fp8kit.torch.inspect.inspector import SlotStats
 from fp8kit.torch.inspect.stats import snr_db
 from fp8kit.torch.layers import LayerNormLinear, LayerNormMLP
 from fp8kit.torch.quantization import quantize
@@ -594,3 +595,33 @@ def test_plot_legend_keeps_sequential_layers_apart(tmp_path, monkeypatch) -> Non
     assert [t.get_text() for t in legend.get_texts()] == ["0", "1"]
     colors = {tuple(h.get_color()) for h in legend.legend_handles}
     assert len(colors) == 2
+
+
+class _Scalars:
+    """A stand-in for TensorBoard's SummaryWriter that keeps what ``add_scalar`` got."""
+
+    def __init__(self) -> None:
+        self.added: dict[str, list[tuple[int, float]]] = {}
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.added.setdefault(tag, []).append((step, value))
+
+
+def test_an_infinite_amax_reaches_tensorboard_and_every_number_is_defined() -> None:
+    """TensorBoard takes finite scalars only, so an infinite amax was dropped with no trace;
+    the non-finite event count is now exported beside it. The JSON's definitions cover every
+    numeric column and the slot's format and direction."""
+    base = {"name": "fc.INPUT", "module": "fc", "gemm": "", "direction": "forward"}
+    base |= {"slot": "INPUT", "fp8_format": "E4M3", "casts": 1, "numel": 8, "scale": 1.0}
+    base |= {"saturated": 0.0, "flushed": 0.0, "snr_db": 30.0}
+    records = [
+        SlotStats(step=0, amax=2.0, nonfinite_events=0, **base),
+        SlotStats(step=1, amax=math.inf, nonfinite_events=1, **base),
+    ]
+    writer = _Scalars()
+    write_tensorboard(records, None, writer=writer)
+    assert writer.added["fp8/amax/fc.INPUT"] == [(0, 2.0)]
+    assert writer.added["fp8/nonfinite_events/fc.INPUT"] == [(0, 0), (1, 1)]
+    numeric = [name for name, value in records[0].to_dict().items() if not isinstance(value, str)]
+    missing = set(numeric) - {"step"} - set(DEFINITIONS)
+    assert not missing and {"direction", "fp8_format"} <= set(DEFINITIONS)

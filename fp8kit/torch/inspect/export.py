@@ -14,7 +14,9 @@ from fp8kit.torch.inspect.inspector import SlotStats
 
 __all__ = ["DEFINITIONS", "METRICS", "write_csv", "write_json", "write_tensorboard"]
 
-METRICS = ("amax", "scale", "saturated", "flushed", "snr_db")
+METRICS = ("amax", "scale", "saturated", "flushed", "snr_db", "nonfinite_events")
+"""The per-step numbers written to TensorBoard (a non-finite value is left out: the
+``nonfinite_events`` count shows an infinite amax)."""
 
 DEFINITIONS = {
     "amax": "max |x| of the high-precision tensor, NaN ignored (max over the step's casts)",
@@ -24,6 +26,9 @@ DEFINITIONS = {
     "snr_db": "10 * log10(sum x^2 / sum (x - dequantized q)^2) over finite x; inf = exact",
     "casts": "number of casts into the slot during the step",
     "numel": "elements cast into the slot during the step (denominator of the fractions)",
+    "nonfinite_events": "update events so far whose amax was infinite (the scale kept then)",
+    "direction": "forward (INPUT, WEIGHT, OUTPUT slots) or backward (GRAD_OUTPUT, GRAD_INPUT)",
+    "fp8_format": "the FP8 format of the slot's casts (E4M3 or E5M2)",
 }
 
 _COLUMNS = tuple(f.name for f in fields(SlotStats))
@@ -59,7 +64,8 @@ def write_json(records: Sequence[SlotStats], path: str | os.PathLike[str]) -> No
 def write_tensorboard(
     records: Sequence[SlotStats], log_dir: str | os.PathLike[str] | None, *, writer: Any = None
 ) -> None:
-    """Add every metric as a scalar ``fp8/<metric>/<slot name>`` at its step.
+    """Add every metric of :data:`METRICS` as a scalar ``fp8/<metric>/<slot name>`` at its step
+    (finite values only: an infinite amax shows as a step of ``nonfinite_events``).
 
     Args:
         records: inspector records.
