@@ -625,3 +625,25 @@ def test_an_infinite_amax_reaches_tensorboard_and_every_number_is_defined() -> N
     numeric = [name for name, value in records[0].to_dict().items() if not isinstance(value, str)]
     missing = set(numeric) - {"step"} - set(DEFINITIONS)
     assert not missing and {"direction", "fp8_format"} <= set(DEFINITIONS)
+
+
+def test_a_nested_with_block_leaves_the_inspector_attached() -> None:
+    """Entering an attached inspector again (a nested ``with``, or ``with`` after ``attach()``)
+    must not detach it at that block's end: the outer block's casts went unrecorded, silently.
+    The block that attached it detaches it."""
+    model = f8.Linear(8, 8)
+    inspector = Inspector(model)
+    x = torch.randn(4, 8)
+    with inspector:
+        with inspector:
+            pass
+        assert inspector.attached and attached_inspector() is inspector
+        with f8.autocast(recipe=DelayedScaling(amax_history_len=2)):
+            model(x).sum().backward()
+        assert inspector.step()  # recorded after the inner block closed
+    assert not inspector.attached and attached_inspector() is None
+    inspector.attach()
+    with inspector:
+        pass
+    assert inspector.attached  # attach() opened it, so the block leaves it open
+    inspector.detach()

@@ -273,6 +273,7 @@ class Inspector:
         self._finalizer: weakref.finalize | None = None
         self._attached = False
         self._paused = 0
+        self._with_attached: list[bool] = []  # per open `with` block: whether it attached
         self._next_step: int | None = None  # None: the first step's number is not known yet
 
     def __repr__(self) -> str:
@@ -330,10 +331,16 @@ class Inspector:
         self._counted.clear()
 
     def __enter__(self) -> Inspector:
-        return self.attach()
+        """Attach for the block; a block entered while already attached (nested, or after
+        :meth:`attach`) leaves it attached at its end."""
+        attaching = not self._attached
+        self.attach()  # raises before the block opens when another inspector is attached
+        self._with_attached.append(attaching)
+        return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.detach()
+        if self._with_attached.pop():
+            self.detach()
 
     @property
     def attached(self) -> bool:
