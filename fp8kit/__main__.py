@@ -18,6 +18,9 @@ options:
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``fp8kit <command>``; returns the exit code (2 for an unknown command)."""
     args = sys.argv[1:] if argv is None else list(argv)
+    if args and args[0] in ("-h", "--help", "--version") and len(args) > 1:
+        print(f"fp8kit: error: {args[0]} takes no arguments, got {args[1:]}", file=sys.stderr)
+        return 2
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if args else 2

@@ -385,6 +385,10 @@ def test_fp8kit_command_dispatch(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown command 'train'" in capsys.readouterr().err
     assert fp8kit_main([]) == 2
     assert fp8kit_main(["--help"]) == 0
+    for option in ("--version", "-h"):  # extra words were ignored with exit code 0
+        capsys.readouterr()
+        assert fp8kit_main([option, "extra"]) == 2
+        assert f"{option} takes no arguments, got ['extra']" in capsys.readouterr().err
 
 
 def test_stdlib_corpus_is_deterministic_and_excludes_installed_packages() -> None:
