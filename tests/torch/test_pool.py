@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import random
+import threading
 import warnings
 import weakref
 
@@ -227,3 +228,34 @@ def test_a_registry_holds_the_process_group_it_verified_over_weakly(
     del group
     gc.collect()
     assert alive() is None and registry._verified_pg() is None
+
+
+def test_an_event_while_another_thread_runs_one_of_the_same_registry_is_refused() -> None:
+    """Two threads training with equal recipes share one registry and pool: one thread's event
+    rebuilt the pool under the other's, which crashed with a shape error or silently changed
+    the numbers. A second thread entering an event now raises, naming the limit."""
+    recipe = f8.DelayedScaling(amax_history_len=2)
+    model = f8.Linear(8, 8)
+    x = torch.randn(4, 8)
+    with f8.autocast(recipe=recipe):  # the first event creates the forward registry
+        model(x)
+    registry = registry_for(recipe, None, "forward", torch.device("cpu"))
+    entered, leave = threading.Event(), threading.Event()
+
+    def event_in_progress() -> None:
+        with registry._in_event:  # as another thread's run_event holds it
+            entered.set()
+            leave.wait(10)
+
+    other = threading.Thread(target=event_in_progress)
+    other.start()
+    try:
+        assert entered.wait(10)
+        refused = pytest.raises(RuntimeError, match="several threads of one process")
+        with refused, f8.autocast(recipe=recipe):
+            model(x)
+    finally:
+        leave.set()
+        other.join()
+    with f8.autocast(recipe=recipe):  # alone again: events run
+        model(x)

@@ -43,7 +43,14 @@ from fp8kit.torch.state.binding import bind_state_if_needed
 from fp8kit.torch.state.buffers import ScalingState, buffer_generation
 from fp8kit.torch.state.pool import StatePool
 
-__all__ = ["DIRECTIONS", "StateRegistry", "pool_states", "registry_for", "update_states"]
+__all__ = [
+    "CONCURRENT_EVENTS",
+    "DIRECTIONS",
+    "StateRegistry",
+    "pool_states",
+    "registry_for",
+    "update_states",
+]
 
 DIRECTIONS = ("forward", "backward")
 _TRAILER = 3  # changed flag, fingerprint, -fingerprint
@@ -200,6 +207,15 @@ def _registry_places(
         ]
 
 
+CONCURRENT_EVENTS = (
+    "fp8kit: two threads ran FP8 update events of the same (recipe, amax reduction group) at "
+    "once. FP8 state updates are process-wide, so FP8 training on several threads of one "
+    "process at once is not supported (it crashed, or silently gave other numbers than the same "
+    "trainings run one after the other): train each model in its own process, or one at a time "
+    '(docs/te_modules.md, "Autocast state is per thread")'
+)
+
+
 class StateRegistry:
     """The states updated (and reduced) together under one (recipe, group, direction, device).
 
@@ -240,6 +256,7 @@ class StateRegistry:
         self._buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.pool = StatePool()
         self._nonfinite = NonfiniteWatch()
+        self._in_event = threading.Lock()  # held during an event: a second thread is refused
 
     def _on_death(self, _ref: weakref.ref[ScalingState]) -> None:
         self._num_live -= 1
@@ -378,7 +395,21 @@ class StateRegistry:
 
         ``registered``: the caller knows every state of ``ran`` is a member already.
         With reduction every rank of the group must call this at the same event.
+
+        Raises:
+            RuntimeError: another thread is running an event of this registry (FP8 training on
+                several threads of one process at once, which the process-wide state does not
+                support: the pool is rebuilt under the other thread's update).
         """
+        if not self._in_event.acquire(blocking=False):
+            raise RuntimeError(CONCURRENT_EVENTS)
+        try:
+            self._run_event(ran, fmax, registered)
+        finally:
+            self._in_event.release()
+
+    def _run_event(self, ran: Sequence[ScalingState], fmax: float, registered: bool) -> None:
+        """:meth:`run_event` while holding the event lock."""
         if not registered:
             for state in ran:
                 self.register(state)
