@@ -212,7 +212,7 @@ CONCURRENT_EVENTS = (
     "once. FP8 state updates are process-wide, so FP8 training on several threads of one "
     "process at once is not supported (it crashed, or silently gave other numbers than the same "
     "trainings run one after the other): train each model in its own process, or one at a time "
-    '(docs/te_modules.md, "Autocast state is per thread")'
+    '(docs/te_modules.md, "One training at a time per process")'
 )
 
 
