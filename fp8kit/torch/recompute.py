@@ -12,6 +12,7 @@ scaling state moves exactly as without checkpointing.
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections.abc import Callable
@@ -266,12 +267,14 @@ def activation_checkpoint(
     settings = current_settings()
     forward = ForwardCasts()
     contexts = (_Capturing(forward), _Recomputing(settings, Replay(forward)))
+    # The keywords go to ``function`` bound here: passed to torch's checkpoint, the ones it takes
+    # itself (``early_stop``, ``debug``, ``context_fn``) would never reach the function.
+    region = functools.partial(function, **kwargs) if kwargs else function
     return torch.utils.checkpoint.checkpoint(
-        function,
+        region,
         *args,
         use_reentrant=False,
         context_fn=lambda: contexts,
         preserve_rng_state=preserve_rng_state,
         determinism_check=determinism_check,
-        **kwargs,
     )

@@ -287,6 +287,23 @@ def test_te_checkpoint_keywords_are_taken_not_passed_on() -> None:
         f8.activation_checkpoint(function, x, get_rng_state_tracker=object)
 
 
+def test_keywords_torch_checkpoint_takes_itself_still_reach_the_function() -> None:
+    """``early_stop``, ``debug`` and ``context_fn`` are parameters of torch's checkpoint: given
+    to activation_checkpoint for the function, the first was silently taken by torch (the
+    function ran with its default), the others raised errors about torch's options."""
+    seen: list[dict[str, Any]] = []
+
+    def function(x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        seen.append(kwargs)
+        return x * x
+
+    given = {"early_stop": "passed", "debug": True, "context_fn": "mine", "scale": 2}
+    x = torch.ones(2, requires_grad=True)
+    f8.activation_checkpoint(function, x, **given).sum().backward()
+    assert seen == [given, given]  # the forward and its recomputation
+    assert torch.equal(x.grad, torch.full((2,), 2.0))
+
+
 def test_a_recomputation_that_casts_other_modules_is_named() -> None:
     first, other = f8.Linear(16, 16), f8.Linear(16, 16)
     calls = []
