@@ -33,9 +33,10 @@ __all__ = ["GemmPlan", "Saved", "backward", "forward", "plan_einsum"]
 class GemmPlan:
     """Static description of one FP8 GEMM ``y = einsum(equation, x, kernel)``.
 
-    A leading ellipsis (``"...i,ij->...j"``) is run as one flattened axis (letter
-    :data:`_FLAT`): the input is reshaped to ``(prod(leading), ...)`` and the output back, so
-    wgrad sums over every leading axis with an einsum that every backend accepts.
+    A leading ellipsis (``"...i,ij->...j"``) is run as one flattened axis (the first letter of
+    :data:`_FLAT_LETTERS` the equation does not use): the input is reshaped to
+    ``(prod(leading), ...)`` and the output back, so wgrad sums over every leading axis with an
+    einsum that every backend accepts.
 
     Attributes:
         equation: the forward einsum ``"X,W->Y"`` (ellipsis replaced by the flat axis).
@@ -62,7 +63,8 @@ def plan_einsum(equation: str, recipe: Recipe) -> GemmPlan:
 
     Raises a ValueError for equations whose gradients are not einsums of the other two operands:
     an input axis summed away without meeting the kernel, a kernel axis used by neither input nor
-    output, or an ellipsis in the kernel.
+    output, a letter repeated within the input or the kernel (a diagonal, which a gradient
+    einsum cannot write), or an ellipsis in the kernel.
     """
     if not isinstance(equation, str) or "->" not in equation or equation.count(",") != 1:
         raise ValueError(
@@ -88,13 +90,19 @@ def plan_einsum(equation: str, recipe: Recipe) -> GemmPlan:
             f"or the output (alone: {sorted(lonely_w)}), and an ellipsis must be in both the "
             "input and the output"
         )
+    for name, axes in (("input", x_axes), ("kernel", w_axes)):
+        plain = axes.replace("...", "")
+        repeated = sorted({a for a in plain if plain.count(a) > 1})
+        if repeated:
+            raise ValueError(
+                f"equation {equation!r} is not supported by fp8kit.keras: the {name} repeats "
+                f"{repeated} (a diagonal), and its gradient einsum would have to write a "
+                "repeated letter; use each letter once per operand"
+            )
     flat_rank = None
     if ellipsis:
-        if _FLAT in equation:
-            raise ValueError(
-                f"equation {equation!r}: with an ellipsis the letter {_FLAT!r} is reserved"
-            )
-        x_axes, out = _FLAT + x_axes[3:], _FLAT + out[3:]
+        flat = next(a for a in _FLAT_LETTERS if a not in equation)
+        x_axes, out = flat + x_axes[3:], flat + out[3:]
         flat_rank = len(x_axes) - 1
     return GemmPlan(
         equation=f"{x_axes},{w_axes}->{out}",
@@ -105,7 +113,9 @@ def plan_einsum(equation: str, recipe: Recipe) -> GemmPlan:
     )
 
 
-_FLAT = "Z"  # the flattened leading axes of an ellipsis equation
+# Letters for the flattened leading axes of an ellipsis equation: the first one the equation
+# does not use (it uses a few of Keras's 52).
+_FLAT_LETTERS = "ZYXWVUTSRQPONMLKJIHGFEDCBAzyxwvutsrqponmlkjihgfedcba"
 
 
 def _flatten(t: Any, trailing: int) -> Any:

@@ -86,6 +86,24 @@ def test_einsum_dense_matches_the_reference(rng, equation, out_shape, bias_axes,
     assert layer.fp8_state.fwd_count.numpy()[0] == 1
 
 
+def test_any_letter_works_beside_an_ellipsis(rng) -> None:
+    """The flattened ellipsis used the letter Z, so '...bZ,Zd->...bd', legal in Keras, was
+    refused; it now trains exactly as the same equation spelled with other letters."""
+    x = tf.constant(random_fp8_friendly(rng, (2, 3, 8)))
+    g = tf.constant(random_fp8_friendly(rng, (2, 3, 6), 0.1))
+    results = []
+    for equation in ("...bZ,Zd->...bd", "...bk,kd->...bd"):
+        layer = f8.EinsumDense(equation, (3, 6), bias_axes="d", recipe=f8.DelayedScaling())
+        layer.build(x.shape)
+        layer.kernel.assign(random_fp8_friendly(np.random.default_rng(0), (8, 6)))
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(layer(x, training=True) * g)
+        results.append([*tape.gradient(loss, [x, layer.kernel]), loss, *state_arrays(layer)])
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_recipe_none_is_exactly_keras_dense(rng) -> None:
     x = random_fp8_friendly(rng, (4, 10))
     ref = keras.layers.Dense(7, activation="relu", kernel_regularizer="l2", name="d")
@@ -334,6 +352,11 @@ def test_bad_input_raises_clear_errors(rng, tmp_path) -> None:
         f8.EinsumDense("abc,cd->ad", 5)(tf.ones((2, 3, 4)))
     with pytest.raises(ValueError, match="ellipsis only at the start"):
         f8.EinsumDense("ab...,bc->ac...", (5, 4))(tf.ones((2, 3, 4)))
+    # a repeated letter in an operand (a diagonal) built and ran forward, then failed in the
+    # backward pass with TensorFlow's error about a gradient equation nobody wrote
+    for equation, shape in (("aab,bc->ac", (3, 3, 4)), ("ab,bbc->ac", (3, 4))):
+        with pytest.raises(ValueError, match=r"repeats \['b'\]|repeats \['a'\]"):
+            f8.EinsumDense(equation, 5)(tf.ones(shape))
     # a recipe whose callable a saved config cannot name: refused when saving, not at load
     lambda_recipe = f8.DelayedScaling(amax_compute_algo=lambda h: h[0])
     model = keras.Sequential([keras.Input((3,)), f8.Dense(4, recipe=lambda_recipe, name="d")])
