@@ -194,10 +194,13 @@ def fp8_matmul(
         if not isinstance(t, Float8Array):
             raise TypeError(f"{name} must be a Float8Array, got {type(t).__name__}")
         inv = t.scale_inv
-        if getattr(inv, "dtype", None) != jnp.float32 or getattr(inv, "size", 0) != 1:
+        if (
+            not isinstance(inv, (jax.Array, np.ndarray))
+            or inv.dtype != jnp.float32
+            or inv.size != 1
+        ):
             raise TypeError(
-                f"{name}.scale_inv must be a float32 array with one element, got "
-                f"{getattr(inv, 'dtype', type(inv).__name__)} of shape {getattr(inv, 'shape', ())}"
+                f"{name}.scale_inv must be a float32 array with one element, got {inv!r}"
             )
     out_dtype = high_precision_dtype(out_dtype, "out_dtype")
     if out_scale is not None and out_dtype != np.float32:

@@ -167,27 +167,12 @@ def value_and_grad(
         observed, argnums=diff[0] if isinstance(argnums, int) else diff, has_aux=has_aux
     )
 
-    def split_state(state: nnx.State) -> tuple[Any, Any]:
-        params, metas = nnx.split_state(state, nnx.Param, Fp8MetaVariable)
-        _, obs = split_grads({path: var.get_value() for path, var in nnx.to_flat_state(metas)})
-        return params, obs
-
-    def split(grad: Any) -> tuple[Any, Any]:
-        """A module's gradient state split into (param grads, observations); a container of
-        them split entry by entry; an argument that is not a graph node (an array, a pytree of
-        arrays) has a plain gradient and holds no FP8 state: None, as fp8kit.jax gives."""
-        leaves, treedef = jax.tree_util.tree_flatten(grad, is_leaf=_is_state)
-        if not any(_is_state(leaf) for leaf in leaves):
-            return grad, None
-        pairs = [split_state(leaf) if _is_state(leaf) else (leaf, None) for leaf in leaves]
-        return treedef.unflatten([p for p, _ in pairs]), treedef.unflatten([o for _, o in pairs])
-
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
         value, grads = inner(*args, **kwargs)
         if isinstance(argnums, int):
-            params, obs = split(grads)
+            params, obs = _split(grads)
         else:
-            pairs = [split(g) for g in grads]
+            pairs = [_split(g) for g in grads]
             params, obs = tuple(p for p, _ in pairs), tuple(o for _, o in pairs)
         return value, params, obs
 
@@ -196,6 +181,24 @@ def value_and_grad(
 
 def _is_state(value: Any) -> bool:
     return isinstance(value, nnx.State)
+
+
+def _split_state(state: nnx.State) -> tuple[Any, Any]:
+    """One module's gradient state as (its ``nnx.Param`` gradients, its FP8 observations)."""
+    params, metas = nnx.split_state(state, nnx.Param, Fp8MetaVariable)
+    _, obs = split_grads({path: var.get_value() for path, var in nnx.to_flat_state(metas)})
+    return params, obs
+
+
+def _split(grad: Any) -> tuple[Any, Any]:
+    """A module's gradient state split by :func:`_split_state`; a container of them split entry
+    by entry; an argument that is not a graph node (an array, a pytree of arrays) has a plain
+    gradient and holds no FP8 state: None, as fp8kit.jax.value_and_grad gives."""
+    leaves, treedef = jax.tree_util.tree_flatten(grad, is_leaf=_is_state)
+    if not any(_is_state(leaf) for leaf in leaves):
+        return grad, None
+    pairs = [_split_state(leaf) if _is_state(leaf) else (leaf, None) for leaf in leaves]
+    return treedef.unflatten([p for p, _ in pairs]), treedef.unflatten([o for _, o in pairs])
 
 
 def _modules_in(arg: Any) -> list[nnx.Module]:

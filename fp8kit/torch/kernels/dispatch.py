@@ -719,9 +719,7 @@ def _check_dequant(data: object, scale: object, dtype: object) -> None:
         raise TypeError(
             f"dtype must be torch.float32, torch.bfloat16 or torch.float16, got {dtype!r}"
         )
-    if scale is not None and not (
-        isinstance(scale, torch.Tensor) and _scale_ok(data, scale) and scale.dim() <= data.dim()
-    ):
+    if scale is not None and not (_scale_ok(data, scale) and scale.dim() <= data.dim()):
         raise TypeError(
             f"scale must be None or a torch.float32 tensor with one element, at most "
             f"data.dim() = {data.dim()} dimensions (the result has data's shape), on data's "
