@@ -76,37 +76,27 @@ class FP8StateOwner:
 
     def _init_fp8_owner(self) -> None:
         self._run_cache = {}
+        self.register_load_state_dict_pre_hook(_note_weights_kept)  # type: ignore[attr-defined]
         self.register_load_state_dict_post_hook(_fresh_fp8_state_beside_the_weights)  # type: ignore[attr-defined]
-
-    def _load_from_state_dict(
-        self,
-        state_dict: dict[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        """``nn.Module``'s load, noting for ``fp8_meta`` (loaded next) whether this load keeps
-        every weight: ``set_model_state_dict(full_state_dict=True)`` fills the keys a checkpoint
-        lacks with the module's own tensors, so a checkpoint of other modules still reaches
-        this one."""
-        own = itertools.chain(self.named_parameters(), self.named_buffers())
-        kept = all(
-            state_dict.get(prefix + name, tensor) is tensor
-            for name, tensor in own
-            if not name.startswith("fp8_meta.")
-        )
-        mark_owner_weights_kept(self.fp8_meta, kept)
-        super()._load_from_state_dict(  # type: ignore[misc]
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()  # type: ignore[misc]  # nn.Module's: a copy, uncompiled
         state["_run_cache"] = {}
         return state
+
+
+def _note_weights_kept(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Load-state-dict pre hook of an :class:`FP8StateOwner` (it runs before ``fp8_meta`` is
+    loaded): tell ``fp8_meta`` whether this load keeps every weight.
+    ``set_model_state_dict(full_state_dict=True)`` fills the keys a checkpoint lacks with the
+    module's own tensors, so a checkpoint of other modules still reaches this one."""
+    own = itertools.chain(module.named_parameters(), module.named_buffers())
+    kept = all(
+        state_dict.get(prefix + name, tensor) is tensor
+        for name, tensor in own
+        if not name.startswith("fp8_meta.")
+    )
+    mark_owner_weights_kept(module.fp8_meta, kept)
 
 
 def _fresh_fp8_state_beside_the_weights(module: nn.Module, incompatible: Any) -> None:

@@ -478,7 +478,7 @@ def mark_owner_weights_kept(meta: nn.Module, kept: bool) -> None:
     """Tell ``meta``'s load post hook whether its owner's load left every weight as it was (each
     one missing or the module's own tensor, as ``set_model_state_dict`` fills in keys a full
     state dict lacks): an absent FP8 state then stays, as there are no new weights to restart
-    it for. Called by the owner's ``_load_from_state_dict``, which runs before ``meta``'s."""
+    it for. Called by the owner's load-state-dict pre hook, which runs before ``meta``'s load."""
     meta.__dict__["_owner_weights_kept"] = kept
 
 
