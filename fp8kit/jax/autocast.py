@@ -5,7 +5,9 @@ never changes what an already-traced function computes. It only supplies default
 (:class:`fp8kit.jax.linen.Dense`, ``DenseGeneral``, :class:`fp8kit.jax.nnx.Linear`) *constructed*
 inside it: their ``recipe`` (or None when ``enabled=False``) and ``amax_reduction_axes``. The
 FP8 state a module creates then carries its recipe as static pytree metadata, and every later
-call uses that recipe (see ``docs/decisions/0103-jax-static-recipe.md``).
+call uses that recipe (see ``docs/decisions/0103-jax-static-recipe.md``). The active autocast
+is part of every ``jax.jit`` cache key, so a function that constructs modules while traced (a
+jitted Flax ``init``) traces again under another autocast.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import jax
 
 from fp8kit.jax.meta import _check_axes, check_recipe
 from fp8kit.recipe import DelayedScaling, Recipe
@@ -33,6 +37,12 @@ class AutocastDefaults:
 
 
 _local = threading.local()
+# The innermost autocast, as part of every jax.jit cache key: a module constructed while a
+# function is traced (Flax clones modules inside a jitted ``init`` / ``apply``; an ``nnx.jit``
+# factory builds them) reads the autocast then, so a later call under another autocast must
+# trace again rather than reuse the first trace's recipe (docs/jax.md, "Where the recipe comes
+# from").
+_JIT_KEY = jax.make_user_context(default_value=None)
 
 
 def _stack() -> list[AutocastDefaults]:
@@ -76,7 +86,8 @@ def autocast(
     stack = _stack()
     stack.append(frame)
     try:
-        yield frame
+        with _JIT_KEY(frame):
+            yield frame
     finally:
         stack.pop()
 

@@ -561,3 +561,23 @@ def test_a_layer_built_outside_any_autocast_takes_the_one_around_init_and_apply(
     want = np.asarray(layer.apply(params, x))
     with f8.autocast(enabled=False):
         np.testing.assert_array_equal(np.asarray(layer.apply(params, x)), want)
+
+
+def test_a_jitted_init_and_apply_follow_the_autocast_around_each_call() -> None:
+    """The autocast is part of the jit cache key: ``jax.jit(layer.init)`` traced under one
+    autocast traces again under another (it kept the first recipe, and FP8 under
+    ``enabled=False``), and a jitted apply raises under another recipe as the eager one does."""
+    x = jnp.ones((2, 4))
+    layer = Dense(3)
+    other = f8.DelayedScaling(amax_history_len=8, margin=1)
+    init, apply = jax.jit(layer.init), jax.jit(layer.apply)
+    with f8.autocast(recipe=RECIPE):
+        v = init(jax.random.key(0), x)
+    with f8.autocast(recipe=other):
+        assert metas(init(jax.random.key(0), x))[0].recipe == other
+    with f8.autocast(enabled=False):
+        assert "fp8_meta" not in init(jax.random.key(0), x)
+    assert metas(v)[0].recipe == RECIPE
+    apply(v, x)  # traced outside any autocast: the state's recipe
+    with pytest.raises(ValueError, match=r"runs with recipe .* but"), f8.autocast(recipe=other):
+        apply(v, x)

@@ -230,3 +230,20 @@ def test_modules_in_a_container_are_observed_like_separate_arguments(box: str) -
     assert float(got_b.forward[0]) == float(jnp.max(jnp.abs(3 * x)))  # the stop_gradient call
     update(second, unpack(obs)[1])
     assert float(second.fp8_meta.get_value().forward.scale[0]) != 1.0
+
+
+def test_an_nnx_jit_factory_follows_the_autocast_around_each_call() -> None:
+    """A module built inside ``nnx.jit`` reads the autocast while traced; the autocast is part
+    of the jit cache key, so a second call under another one builds with that one's recipe."""
+    other = f8.DelayedScaling(amax_history_len=8)
+
+    @nnx.jit
+    def build() -> Linear:
+        return Linear(4, 4, rngs=nnx.Rngs(0))
+
+    with f8.autocast(recipe=f8.DelayedScaling(amax_history_len=4)):
+        assert build().fp8_meta.get_value().history_len == 4
+    with f8.autocast(recipe=other):
+        assert build().fp8_meta.get_value().recipe == other
+    with f8.autocast(enabled=False):
+        assert build().fp8_meta is None
