@@ -17,6 +17,7 @@ from fp8kit.formats import E4M3, E5M2, FP8Format
 
 __all__ = [
     "AMAX_COMPUTE_ALGOS",
+    "CALLABLE_SHAPE_HINT",
     "FIRST_STEP_SCALINGS",
     "TRAINING_FORMATS",
     "DelayedScaling",
@@ -32,6 +33,14 @@ _FLOAT_MAX = sys.float_info.max  # the largest Python float
 
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 FIRST_STEP_SCALINGS = ("unity", "current")
+
+# What a recipe callable must return, for the frontends' error messages: every frontend calls it
+# on the (L, N) history of all modules of a (recipe, group) and direction (docs/te_modules.md,
+# "Recipe callables"), so a 0-d result is refused rather than broadcast over the modules.
+CALLABLE_SHAPE_HINT = (
+    "one value per column: reduce over dim 0 of the (L, N) history, whose columns are the slots "
+    "of every module that ran, so that each module keeps its own amax and scale"
+)
 
 
 class Format(enum.Enum):
@@ -253,8 +262,13 @@ class DelayedScaling(_RecipeBase):
 
     @property
     def margin_factor(self) -> float:
-        """``2**-margin`` as a Python float (exact for integer margins)."""
-        return 2.0 ** (-self.margin)
+        """``2**-margin`` as a Python float (exact for integer margins); ``inf`` for a margin
+        <= -1024, whose factor overflows a float (the scale is then capped at FLT_MAX, SPEC
+        section 3)."""
+        try:
+            return 2.0 ** (-self.margin)
+        except OverflowError:
+            return math.inf
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8kit.formats import FLOAT32_MAX, scale_numerator
-from fp8kit.recipe import DelayedScaling
+from fp8kit.recipe import CALLABLE_SHAPE_HINT, DelayedScaling
 
 __all__ = [
     "COUNT_WRAP_LIMIT",
@@ -92,13 +92,12 @@ def compute_scale(
 def _checked_callable_output(name: str, result: Any, shape: tuple[int, ...]) -> jax.Array:
     if not hasattr(result, "shape") or not hasattr(result, "dtype"):
         raise TypeError(f"{name} must return a JAX array, got {type(result).__name__}")
-    try:
-        result = jnp.broadcast_to(jnp.asarray(result), shape)
-    except ValueError:
+    if tuple(result.shape) != shape:
         raise ValueError(
-            f"{name} must return an array of shape {shape}, got {tuple(result.shape)}"
-        ) from None
-    return result.astype(jnp.float32)
+            f"{name} must return an array of shape {shape}, got {tuple(result.shape)} "
+            f"({CALLABLE_SHAPE_HINT})"
+        )
+    return jnp.asarray(result).astype(jnp.float32)
 
 
 def new_scale(

@@ -19,7 +19,7 @@ import numpy as np
 from keras import ops
 
 from fp8kit.formats import FLOAT32_MAX, scale_numerator
-from fp8kit.recipe import DelayedScaling
+from fp8kit.recipe import CALLABLE_SHAPE_HINT, DelayedScaling
 
 __all__ = [
     "COUNT_WRAP_LIMIT",
@@ -107,9 +107,12 @@ def compute_scale(
 def _checked_callable_output(name: str, result: Any, shape: tuple[int, ...]) -> Any:
     if not hasattr(result, "shape") or not hasattr(result, "dtype"):
         raise TypeError(f"{name} must return a tensor, got {type(result).__name__}")
-    if tuple(result.shape) not in (shape, ()):
-        raise ValueError(f"{name} must return a tensor of shape {shape}, got {tuple(result.shape)}")
-    return ops.cast(ops.broadcast_to(result, shape), "float32")
+    if tuple(result.shape) != shape:
+        raise ValueError(
+            f"{name} must return a tensor of shape {shape}, got {tuple(result.shape)} "
+            f"({CALLABLE_SHAPE_HINT})"
+        )
+    return ops.cast(result, "float32")
 
 
 def new_scale(amax: Any, old_scale: Any, fmax: Any, recipe: DelayedScaling) -> Any:

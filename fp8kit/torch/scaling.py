@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8kit.recipe import DelayedScaling
+from fp8kit.recipe import CALLABLE_SHAPE_HINT, DelayedScaling
 from fp8kit.torch.kernels.reference import compute_scale, count_events, roll_history
 
 __all__ = ["compute_scale", "new_scale", "update_scaling_state"]
@@ -36,13 +36,10 @@ def _checked_callable_output(name: str, result: object, like: torch.Tensor) -> t
     if not isinstance(result, torch.Tensor):
         raise TypeError(f"{name} must return a torch.Tensor, got {type(result).__name__}")
     if result.shape != like.shape:
-        try:
-            result = torch.broadcast_to(result, like.shape)
-        except RuntimeError:
-            raise ValueError(
-                f"{name} must return a tensor of shape {tuple(like.shape)}, "
-                f"got {tuple(result.shape)}"
-            ) from None
+        raise ValueError(
+            f"{name} must return a tensor of shape {tuple(like.shape)}, got "
+            f"{tuple(result.shape)} ({CALLABLE_SHAPE_HINT})"
+        )
     return result.to(torch.float32)
 
 

@@ -253,10 +253,11 @@ def test_callables_see_the_whole_state_and_are_guarded() -> None:
     def wrong_shape(history):
         return jnp.zeros((7,))
 
-    r3 = f8.DelayedScaling(amax_history_len=2, amax_compute_algo=wrong_shape)
-    meta = f8.init_meta(1, r3)
-    with pytest.raises(ValueError, match="amax_compute_algo must return an array of shape"):
-        f8.update(meta, _obs(meta, forward=1.0))
+    for algo in (wrong_shape, jnp.max):  # a 0-d result is not spread over the columns either
+        r3 = f8.DelayedScaling(amax_history_len=2, amax_compute_algo=algo)
+        meta = f8.init_meta(1, r3)
+        with pytest.raises(ValueError, match="amax_compute_algo must return an array of shape"):
+            f8.update(meta, _obs(meta, forward=1.0))
 
 
 def test_stage_needs_observations() -> None:

@@ -215,6 +215,22 @@ def test_callable_scaling_factor_and_its_guard() -> None:
         forward_scales([4], DelayedScaling(scaling_factor_compute_algo=wrong_shape))
 
 
+def test_a_callable_returning_one_value_for_every_module_is_refused() -> None:
+    """A TE-style ``h.max()`` is 0-d: TE calls it per module, fp8kit on the history of every
+    module of the event, where broadcasting it would give module b the scale of module a's
+    amax (docs/te_modules.md, "Recipe callables")."""
+    whole = DelayedScaling(amax_history_len=2, amax_compute_algo=lambda h: h.max())
+    with pytest.raises(ValueError, match=r"^amax_compute_algo must return a tensor of shape"):
+        forward_scales([4], whole)
+
+    def one_scale(amax, old_scale, fp8_max, recipe):
+        return fp8_max / amax.max()
+
+    message = r"^scaling_factor_compute_algo must return .*\(one value per column"
+    with pytest.raises(ValueError, match=message):
+        forward_scales([4], DelayedScaling(scaling_factor_compute_algo=one_scale))
+
+
 def test_no_grad_forward_accumulates_without_rolling() -> None:
     layer = f8.Linear(16, 16)
     recipe = DelayedScaling(amax_history_len=4)
