@@ -65,7 +65,29 @@ def cast_to_fp8(x: Any, scale: Any, fmt: FP8Format) -> Any:
     scaled = ops.multiply(ops.cast(x, "float32"), scale)
     clipped = ops.clip(scaled, -fmt.max, fmt.max)  # +-inf -> +-fmax
     clipped = ops.where(ops.isnan(scaled), scaled, clipped)  # NaN stays NaN on every backend
+    if keras.backend.backend() == "tensorflow":
+        clipped = _on_fp8_grid(clipped, fmt)
     return _canonical_nan(ops.cast(clipped, fmt.name), scaled, fmt)
+
+
+def _on_fp8_grid(v: Any, fmt: FP8Format) -> Any:
+    """``v`` (float32, ``|v| <= fmax`` or NaN) rounded to ``fmt``'s values, to nearest even, in
+    float32, so that the cast to FP8 after it is exact.
+
+    TensorFlow's XLA on the CPU (TF 2.21) rounds a float32 -> FP8 convert that it fuses into a
+    matrix-vector product (one output unit, or one row) through float16 first: twice, so ties
+    of the second rounding go the wrong way (0.84355807 became 0.875 in E4M3, not 0.8125).
+    Values already on the FP8 grid are exact in float16 too. The rounding is by powers of two
+    and ``round`` (half to even), all exact: ``round(v / q) * q`` with ``q`` the spacing of
+    ``fmt`` at ``v``'s binade, ``2**(max(e, emin) - mantissa_bits)`` (docs/decisions/0267).
+    """
+    bits = ops.view(v, "int32")
+    biased = ops.bitwise_and(ops.right_shift(bits, 23), 0xFF)  # float32 exponent field
+    emin = 1 - fmt.bias  # exponent of the smallest normal FP8 value
+    q = ops.maximum(biased, emin + 127) - fmt.mantissa_bits  # biased exponent of the spacing
+    inverse = ops.view(ops.left_shift(254 - q, 23), "float32")  # 2**-(q - 127)
+    spacing = ops.view(ops.left_shift(q, 23), "float32")  # 2**(q - 127)
+    return ops.multiply(ops.round(ops.multiply(v, inverse)), spacing)
 
 
 def dequantize(data: Any, scale_inv: Any) -> Any:
