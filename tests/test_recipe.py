@@ -56,6 +56,15 @@ def test_delayed_scaling_defaults() -> None:
     assert r.first_step_scaling == "unity"
 
 
+def test_margin_factor_is_two_to_the_minus_margin_and_inf_past_float_range() -> None:
+    """A margin <= -1024 is accepted (the scale is capped at FLT_MAX, SPEC section 3); its
+    factor overflows a float: inf, not the OverflowError the property raised."""
+    assert DelayedScaling(margin=3).margin_factor == 0.125
+    assert DelayedScaling(margin=-1023).margin_factor == 2.0**1023
+    assert DelayedScaling(margin=-2000).margin_factor == math.inf
+    assert DelayedScaling(margin=2000).margin_factor == 0.0
+
+
 def test_recipes_are_frozen_hashable_and_compare_by_value() -> None:
     a = DelayedScaling(margin=1, amax_history_len=16)
     b = DelayedScaling(margin=1, amax_history_len=16)

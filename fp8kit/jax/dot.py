@@ -35,6 +35,7 @@ the meta stays replicated. Under ``jax.jit`` with sharded global arrays the amax
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from dataclasses import dataclass, replace
 from functools import partial
@@ -506,6 +507,14 @@ def _broadcast_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] 
         return None
 
 
+def _axes(axes: Any) -> tuple[int, ...]:
+    """``axes`` as a tuple of ints. A bool, float or string axis raises ``TypeError``: it is
+    not truncated or read as 0 / 1."""
+    if isinstance(axes, str) or any(isinstance(a, bool) for a in axes):
+        raise TypeError(axes)
+    return tuple(operator.index(a) for a in axes)
+
+
 def _config(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -524,12 +533,13 @@ def _config(
         raise TypeError(f"gemm must be an int, got {gemm!r}")
     try:
         (lc, rc), (lb, rb) = dimension_numbers
-        contracting = (tuple(map(int, lc)), tuple(map(int, rc)))
-        dims = (contracting, (tuple(map(int, lb)), tuple(map(int, rb))))
+        contracting = (_axes(lc), _axes(rc))
+        dims = (contracting, (_axes(lb), _axes(rb)))
     except (TypeError, ValueError):
         raise ValueError(
             "dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, "
-            f"rhs_batch)) as for jax.lax.dot_general, got {dimension_numbers!r}"
+            "rhs_batch)) of int axes as for jax.lax.dot_general, got "
+            f"{dimension_numbers!r}"
         ) from None
     out_shape = _check_dimensions(lhs.shape, rhs.shape, dims)
     if bias is not None and _broadcast_shape(out_shape, tuple(bias.shape)) != out_shape:

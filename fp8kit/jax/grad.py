@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from fp8kit.jax.dot import chain_ends
 from fp8kit.jax.meta import Fp8Meta, is_meta, observations_of
 
-__all__ = ["check_argnums", "split_grads", "tie_chain_ends", "value_and_grad", "with_chain_ends"]
+__all__ = ["check_grad_args", "split_grads", "tie_chain_ends", "value_and_grad", "with_chain_ends"]
 
 
 def _drop_empty(tree: Any) -> Any:
@@ -56,8 +56,12 @@ def split_grads(grads: Any) -> tuple[Any, Any]:
     return _drop_empty(params), _drop_empty(obs)
 
 
-def check_argnums(argnums: Any) -> tuple[int, ...]:
-    """``argnums`` as a tuple of positions; a clear error for anything but an int or ints."""
+def check_grad_args(fun: Any, argnums: Any, has_aux: Any) -> tuple[int, ...]:
+    """Check the arguments of a ``value_and_grad`` at the call, as ``jax.value_and_grad`` does;
+    returns ``argnums`` as a tuple of positions. Clear errors for a ``fun`` that is not callable,
+    an ``argnums`` other than an int or ints, and a ``has_aux`` other than a bool."""
+    if not callable(fun):
+        raise TypeError(f"fun must be a callable (the loss function), got {fun!r}")
     nums = (argnums,) if isinstance(argnums, int) else argnums
     if (
         not isinstance(nums, Sequence)
@@ -69,6 +73,8 @@ def check_argnums(argnums: Any) -> tuple[int, ...]:
             f"argnums must be an int or a non-empty sequence of ints (argument positions), "
             f"got {argnums!r}"
         )
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"has_aux must be a bool, got {has_aux!r}")
     return tuple(nums)
 
 
@@ -120,9 +126,7 @@ def value_and_grad(
         ``(loss, aux)``; ``grads`` has no FP8 leaves; ``observations`` mirrors the differentiated
         arguments with an ``Observations`` at every meta, ready for :func:`fp8kit.jax.update`.
     """
-    nums = check_argnums(argnums)
-    if not isinstance(has_aux, bool):
-        raise TypeError(f"has_aux must be a bool, got {has_aux!r}")
+    nums = check_grad_args(fun, argnums, has_aux)
 
     @functools.wraps(fun)
     def observed(*args: Any, **kwargs: Any) -> Any:

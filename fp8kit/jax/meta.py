@@ -27,7 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8kit.jax.scaling import COUNT_WRAP_LIMIT
-from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe, recipe_from_dict
+from fp8kit.recipe import (
+    DelayedScaling,
+    Float8CurrentScaling,
+    Recipe,
+    recipe_from_dict,
+    require_int,
+)
 from fp8kit.slots import BwdSlot, FwdSlot, bwd_slot, fwd_slot
 from fp8kit.unset import UNSET
 
@@ -195,8 +201,7 @@ def init_meta(
             length 1, never updated).
         amax_reduction_axes: see :class:`Fp8Meta`.
     """
-    if isinstance(num_gemms, bool) or not isinstance(num_gemms, int) or num_gemms < 1:
-        raise ValueError(f"num_gemms must be an int >= 1, got {num_gemms!r}")
+    require_int("num_gemms", num_gemms, 1)
     recipe = check_recipe(DelayedScaling() if recipe is None else recipe)
     length = _history_len(recipe)
 
@@ -253,6 +258,8 @@ def observations_of(x: Observations | Fp8Meta) -> Observations:
 
 def zero_observations(meta: Fp8Meta) -> Observations:
     """Observations of a module that did not run (all zero) with ``meta``'s shapes."""
+    if not isinstance(meta, Fp8Meta):
+        raise TypeError(f"meta must be an Fp8Meta, got {type(meta).__name__}")
     return Observations(
         forward=jnp.zeros(meta.forward.scale.shape, jnp.float32),
         backward=jnp.zeros(meta.backward.scale.shape, jnp.float32),
@@ -314,6 +321,13 @@ def with_recipe(meta_tree: Any, recipe: Recipe) -> Any:
         )
         return replace(meta, forward=fwd, backward=bwd, recipe=recipe)
 
+    if not any(
+        isinstance(x, Fp8Meta) for x in jax.tree_util.tree_leaves(meta_tree, is_leaf=is_meta)
+    ):
+        raise ValueError(
+            "with_recipe found no Fp8Meta in meta_tree: pass the tree that holds the FP8 state "
+            "(e.g. the whole Flax variable dict, with its 'fp8_meta' collection)"
+        )
     return jax.tree_util.tree_map(convert, meta_tree, is_leaf=is_meta)
 
 

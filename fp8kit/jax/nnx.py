@@ -21,10 +21,11 @@ from jax import lax
 
 from fp8kit.jax.autocast import resolve_defaults
 from fp8kit.jax.dot import dot_general_chained
-from fp8kit.jax.grad import check_argnums, split_grads, tie_chain_ends
+from fp8kit.jax.grad import check_grad_args, split_grads, tie_chain_ends
 from fp8kit.jax.meta import Fp8Meta, init_meta
 from fp8kit.jax.quantization import check_high_precision, master_weight
 from fp8kit.jax.updates import update as _update_tree
+from fp8kit.recipe import require_int
 from fp8kit.unset import UNSET
 
 __all__ = ["Fp8MetaVariable", "Linear", "update", "value_and_grad"]
@@ -72,9 +73,8 @@ class Linear(nnx.Module):
         kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
         bias_metadata: Mapping[str, Any] = MappingProxyType({}),
     ) -> None:
-        for name, value in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        require_int("in_features", in_features, 1)
+        require_int("out_features", out_features, 1)
         for name, flag in (("use_bias", use_bias), ("fp8_output", fp8_output),
                            ("fp8_grad", fp8_grad)):  # fmt: skip
             if not isinstance(flag, bool):
@@ -147,7 +147,7 @@ def value_and_grad(
     dict of them, as ``nnx.value_and_grad`` takes) gets both in that container, one entry per
     module: ``update(model_i, observations[i])``.
     """
-    nums = check_argnums(argnums)
+    nums = check_grad_args(fun, argnums, has_aux)
     diff = tuple(nnx.DiffState(n, nnx.Any(nnx.Param, Fp8MetaVariable)) for n in nums)
 
     @functools.wraps(fun)
@@ -218,6 +218,11 @@ def update(model: nnx.Module, observations: Any, *, check_chains: bool = True) -
     ``observations`` is the third result of :func:`value_and_grad` (keyed by variable path).
     """
     metas = _metas(model)
+    if not metas and observations is None:
+        raise ValueError(
+            "update found no Fp8MetaVariable in model and got no observations, so it would do "
+            "nothing: pass the module built from fp8kit.jax.nnx layers"
+        )
     new = _update_tree(metas, observations, check_chains=check_chains)
     state = nnx.state(model, Fp8MetaVariable)
     for path, var in nnx.to_flat_state(state):

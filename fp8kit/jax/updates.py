@@ -23,6 +23,7 @@ from fp8kit.jax.meta import (
     Observations,
     ScalingState,
     check_meta_dtypes,
+    check_recipe,
     is_meta,
     is_observation,
     observations_of,
@@ -71,10 +72,23 @@ def _path_str(path: tuple[Any, ...]) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
-def _match(meta_tree: Any, observations: Any) -> tuple[list[Any], Any, list[Observations | None]]:
-    """Flatten ``meta_tree`` down to its metas and pair each with its observation by path."""
+def _match(
+    meta_tree: Any, observations: Any, caller: str
+) -> tuple[list[Any], Any, list[Observations | None]]:
+    """Flatten ``meta_tree`` down to its metas and pair each with its observation by path.
+
+    A tree without any Fp8Meta and no observations raises: the call would do nothing, which is
+    the mistake of passing ``variables["params"]`` (a model without FP8 layers gets observations
+    without any entry from :func:`fp8kit.jax.value_and_grad`, and passes).
+    """
     flat, treedef = jax.tree_util.tree_flatten_with_path(meta_tree, is_leaf=is_meta)
     metas = [(p, x) for p, x in flat if isinstance(x, Fp8Meta)]
+    if not metas and observations is None:
+        raise ValueError(
+            f"{caller} found no Fp8Meta in its first argument and got no observations, so it "
+            "would do nothing: pass the tree that holds the FP8 state (e.g. the whole Flax "
+            "variable dict, with its 'fp8_meta' collection, not variables['params'])"
+        )
     for path, meta in metas:
         check_meta_dtypes(meta, f"meta{_path_str(path)}")
     obs_list: list[Observations | None] = []
@@ -126,7 +140,7 @@ def stage(meta_tree: Any, observations: Any, *, check_chains: bool = True) -> An
     Several stages followed by one :func:`update` leave the maximum (docs/semantics.md section 3).
     ``check_chains`` refuses observations that JAX summed, as :func:`update` does.
     """
-    flat, treedef, obs_list = _match(meta_tree, observations)
+    flat, treedef, obs_list = _match(meta_tree, observations, "stage")
     if check_chains:
         _check_chains([_path_str(p) for p, x in flat if isinstance(x, Fp8Meta)], obs_list)
     it = iter(obs_list)
@@ -275,9 +289,10 @@ def update(
     """
     if not isinstance(check_chains, bool):
         raise TypeError(f"check_chains must be a bool, got {check_chains!r}")
-    flat, treedef, obs_list = _match(meta, observations)
+    flat, treedef, obs_list = _match(meta, observations, "update")
     metas = [(p, x) for p, x in flat if isinstance(x, Fp8Meta)]
     if recipe is not None:
+        check_recipe(recipe)
         for path, m in metas:
             if m.recipe != recipe:
                 raise ValueError(

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
+import numpy as np
 
 from fp8kit.keras.autocast import resolve
 from fp8kit.keras.layers import Dense, EinsumDense
@@ -32,6 +33,17 @@ def _copy_weights(old: keras.layers.Layer, new: keras.layers.Layer) -> None:
             new.bias.assign(old.bias)
         return
     new.set_weights(old.get_weights())
+
+
+def _selected(layer_filter: LayerFilter | None, layer: keras.layers.Layer) -> bool:
+    """Whether ``layer_filter`` selects ``layer`` (no filter: every layer); a result other than
+    a bool raises, as a filter that forgot its ``return`` would select nothing."""
+    if layer_filter is None:
+        return True
+    keep = layer_filter(layer)
+    if not isinstance(keep, (bool, np.bool_)):  # a comparison of NumPy values gives np.bool_
+        raise TypeError(f"layer_filter must return a bool, got {keep!r} for layer {layer.name!r}")
+    return bool(keep)
 
 
 def convert_model(
@@ -86,7 +98,7 @@ def convert_model(
     def clone(layer: keras.layers.Layer) -> keras.layers.Layer:
         fp8_class = _FP8_CLASS.get(type(layer))
         config = layer.get_config()
-        if fp8_class is not None and (layer_filter is None or layer_filter(layer)):
+        if fp8_class is not None and _selected(layer_filter, layer):
             if recipe is not None and (layer.lora_enabled or layer.lora_rank):
                 raise ValueError(
                     f"convert_model: layer {layer.name!r} has LoRA enabled (rank "

@@ -263,6 +263,8 @@ class Dense(_Fp8LayerMixin, keras.layers.Dense):
         gradient_accumulation_steps: Any = UNSET,
         **kwargs: Any,
     ):
+        if isinstance(units, bool):  # Keras would read True as 1 unit
+            raise TypeError(f"units must be an int >= 1, got {units!r}")
         super().__init__(units, *args, **kwargs)
         self._init_fp8(recipe, gradient_accumulation_steps)
 

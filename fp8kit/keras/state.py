@@ -32,7 +32,7 @@ from keras import ops
 
 from fp8kit.keras.autocast import check_accumulation_steps, check_recipe, check_steps_apply
 from fp8kit.keras.scaling import update_scaling_state
-from fp8kit.recipe import DelayedScaling, Recipe
+from fp8kit.recipe import DelayedScaling, Recipe, require_int
 
 __all__ = ["STATE_VARIABLES", "Fp8State", "resize_history"]
 
@@ -87,8 +87,7 @@ class Fp8State:
                 "recipe must be an fp8kit.recipe.DelayedScaling / Float8CurrentScaling (a layer "
                 "without FP8 has no Fp8State), got None"
             )
-        if isinstance(num_gemms, bool) or not isinstance(num_gemms, int) or num_gemms < 1:
-            raise ValueError(f"num_gemms must be an int >= 1, got {num_gemms!r}")
+        require_int("num_gemms", num_gemms, 1)
         self.recipe = recipe
         self.num_gemms = num_gemms
         self.accumulation_steps = check_accumulation_steps(accumulation_steps)

@@ -155,9 +155,10 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
         projection runs in the autocast dtype); a float mask may be float32 or the dtype the
         attention runs in (the autocast dtype, else the query's); :func:`_mask_in` adds it.
         """
-        autocast_dtype = torch_autocast_dtype(query)
         for name, t in (("query", query), ("key", key), ("value", value)):
             check_high_precision(t, name)
+        autocast_dtype = torch_autocast_dtype(query)
+        for name, t in (("query", query), ("key", key), ("value", value)):
             if autocast_dtype is None and t.dtype != query.dtype:
                 raise TypeError(
                     f"{name} must have query's dtype {query.dtype}, got {t.dtype}: cast the "

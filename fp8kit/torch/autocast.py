@@ -360,13 +360,7 @@ class autocast(contextlib.ContextDecorator):
             raise TypeError(f"enabled must be a bool, got {enabled!r}")
         if not isinstance(calibrating, bool):
             raise TypeError(f"calibrating must be a bool, got {calibrating!r}")
-        if recipe is None:
-            recipe = DelayedScaling()
-        if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-            raise TypeError(
-                "recipe must be None, a fp8kit.recipe.DelayedScaling or a "
-                f"fp8kit.recipe.Float8CurrentScaling, got {type(recipe).__name__}"
-            )
+        recipe = _checked_recipe("recipe", recipe)
         if calibrating and not isinstance(recipe, DelayedScaling):
             raise ValueError(
                 "calibrating=True needs a DelayedScaling recipe (current scaling keeps no scales "
@@ -488,6 +482,19 @@ def replaying(settings: FP8Settings | None, replay: Any) -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(fastpath)
 
 
+def _checked_recipe(name: str, recipe: Any) -> Recipe:
+    """``recipe`` (``DelayedScaling()`` for None) if it is an fp8kit recipe, else a TypeError
+    naming the parameter ``name``."""
+    if recipe is None:
+        return DelayedScaling()
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise TypeError(
+            f"{name} must be None, a fp8kit.recipe.DelayedScaling or a "
+            f"fp8kit.recipe.Float8CurrentScaling, got {type(recipe).__name__}"
+        )
+    return recipe
+
+
 def fp8_autocast(
     enabled: bool = True,
     calibrating: bool = False,
@@ -500,7 +507,9 @@ def fp8_autocast(
     ``autocast(enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group,
     calibrating=calibrating)``.
     """
-    check_reduction_group("fp8_group", fp8_group)  # named as the caller spelled it
+    # named as the caller spelled them
+    _checked_recipe("fp8_recipe", fp8_recipe)
+    check_reduction_group("fp8_group", fp8_group)
     return autocast(
         enabled, recipe=fp8_recipe, amax_reduction_group=fp8_group, calibrating=calibrating
     )

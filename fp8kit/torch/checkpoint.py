@@ -121,6 +121,9 @@ def init_fp8_state(model: nn.Module, recipe: DelayedScaling | None = None) -> nn
 
     Returns:
         ``model`` itself.
+
+    Raises:
+        ValueError: if ``model`` has no FP8 modules (called before ``convert_model``).
     """
     if recipe is None:
         recipe = DelayedScaling()
@@ -129,8 +132,14 @@ def init_fp8_state(model: nn.Module, recipe: DelayedScaling | None = None) -> nn
             "recipe must be None or a fp8kit.recipe.DelayedScaling (the only recipe with "
             f"state), got {type(recipe).__name__}"
         )
+    metas = [meta for _, meta in fp8_metas(model)]
+    if not metas:
+        raise ValueError(
+            f"model (a {type(model).__name__}) has no FP8 modules, so there is no state to size: "
+            "call fp8kit.torch.convert_model(model) first, or build it from fp8kit.torch modules"
+        )
     why = f"init_fp8_state with amax_history_len={recipe.amax_history_len}"
-    for _, meta in fp8_metas(model):
+    for meta in metas:
         bind_recipe(meta, recipe, why)
     return model
 
@@ -170,10 +179,10 @@ def _fp8_tensor_keys(model: nn.Module) -> list[tuple[str, ...]]:
 
 def _rank(rank: int | None) -> int:
     if rank is not None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(
-                f"rank must be None (this process's rank) or an int >= 0, got {rank!r}"
-            )
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"rank must be None (this process's rank) or an int >= 0, got {rank!r}")
+        if rank < 0:
+            raise ValueError(f"rank must be None (this process's rank) or an int >= 0, got {rank}")
         return rank
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -25,6 +25,9 @@ def ddp_ignore_fp8_state(model: nn.Module) -> list[str]:
 
     Returns:
         The fully qualified buffer names now ignored by DDP.
+
+    Raises:
+        ValueError: if ``model`` has no FP8 state (called before ``convert_model``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -41,6 +44,12 @@ def ddp_ignore_fp8_state(model: nn.Module) -> list[str]:
         if isinstance(module, ScalingState)
         for name, _ in module.named_buffers(recurse=False)
     ]
+    if not names:
+        raise ValueError(
+            f"model (a {type(model).__name__}) has no FP8 state: call "
+            "fp8kit.torch.convert_model(model) first (or build it from fp8kit.torch modules), "
+            "then ddp_ignore_fp8_state(model), then wrap it in DistributedDataParallel"
+        )
     existing = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
     merged = existing + [n for n in names if n not in existing]
     # Public-by-convention hook read by DistributedDataParallel at construction.

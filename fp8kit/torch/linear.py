@@ -244,7 +244,9 @@ def fp8_run_for(
     attribute holding ``in_features``, for messages. None outside an enabled autocast and for
     empty inputs.
     """
-    # checked in high precision too, so a wrong width gets this message on both paths
+    # checked in high precision too, so a wrong input gets these messages on both paths
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.shape[-1:] != (in_features,):
         raise ValueError(
             f"{name} must have shape (*, {in_features}) for this {type(module).__name__} "

@@ -254,6 +254,8 @@ def activation_checkpoint(
             f"{distribute_saved_activations!r}: fp8kit has no tensor parallelism to distribute "
             "the saved activations over"
         )
+    if not isinstance(preserve_rng_state, bool):
+        raise TypeError(f"preserve_rng_state must be a bool, got {preserve_rng_state!r}")
     if get_rng_state_tracker is not None:
         raise ValueError(
             "get_rng_state_tracker must be None: fp8kit has no tensor-parallel RNG tracker "

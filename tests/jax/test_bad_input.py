@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -94,6 +95,10 @@ def test_check_step_refuses_a_tree_without_fp8_state() -> None:
             r"^fp8_output must be a bool",
         ),
         (lambda: f8nnx.Linear(16, 8, use_bias=1, rngs=nnx.Rngs(0)), TypeError, r"^use_bias must"),
+        (lambda: f8nnx.Linear(4.0, 8, rngs=nnx.Rngs(0)), TypeError, r"^in_features must be an int"),
+        (lambda: f8nnx.Linear(4, 0, rngs=nnx.Rngs(0)), ValueError, r"^out_features must be an int"),
+        (lambda: f8.init_meta(1.0), TypeError, r"^num_gemms must be an int >= 1, got 1\.0"),
+        (lambda: f8.init_meta(0), ValueError, r"^num_gemms must be an int >= 1, got 0"),
     ],
 )
 def test_layers_check_their_arguments_when_built(make, error, message: str) -> None:
@@ -110,3 +115,51 @@ def test_flags_and_argnums_are_not_read_by_truthiness() -> None:
         f8.value_and_grad(lambda w: (w * 2).sum(), argnums="0")
     with pytest.raises(TypeError, match=r"^has_aux must be a bool, got 'no'"):
         f8.value_and_grad(lambda w: (w * 2).sum(), has_aux="no")
+    with pytest.raises(TypeError, match=r"^has_aux must be a bool, got 'False'"):
+        f8nnx.value_and_grad(lambda m: m(X).sum(), has_aux="False")
+    for value_and_grad in (f8.value_and_grad, f8nnx.value_and_grad):
+        with pytest.raises(
+            TypeError, match=r"^fun must be a callable \(the loss function\), got 3"
+        ):
+            value_and_grad(3)
+
+
+@pytest.mark.parametrize("axis", [1.5, True, "1"])
+def test_dot_general_refuses_axes_that_are_not_ints(axis) -> None:
+    """jax.lax.dot_general refuses these too; int() would truncate 1.5 and read True as 1."""
+    with pytest.raises(ValueError, match=r"^dimension_numbers must be .* of int axes"):
+        f8.dot_general(X, W, (((axis,), (0,)), ((), ())), f8.init_meta())
+
+
+def test_a_numpy_int_axis_is_an_axis() -> None:
+    dims = (((np.int64(1),), (np.int32(0),)), ((), ()))
+    assert f8.dot_general(X, W, dims, f8.init_meta()).shape == (4, 8)
+
+
+def test_calls_that_would_do_nothing_on_a_tree_without_fp8_state_raise() -> None:
+    """f8.update(variables["params"]) would leave every scale at 1 for good, without a word."""
+    params = {"w": W}
+    with pytest.raises(ValueError, match=r"^update found no Fp8Meta in its first argument"):
+        f8.update(params)
+    with pytest.raises(ValueError, match=r"^stage found no Fp8Meta in its first argument"):
+        f8.stage(params, None)
+    with pytest.raises(ValueError, match=r"^with_recipe found no Fp8Meta in meta_tree"):
+        f8.with_recipe(params, f8.DelayedScaling())
+    plain = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"^update found no Fp8MetaVariable in model"):
+        f8nnx.update(plain, None)
+    # a model without FP8 layers in a generic loop: its (empty) observations pass
+    _, _, obs = f8.value_and_grad(lambda p: (X @ p["w"]).sum())(params)
+    assert f8.update(params, obs) == params
+    _, _, nnx_obs = f8nnx.value_and_grad(lambda m: m(X).sum())(plain)
+    f8nnx.update(plain, nnx_obs)
+
+
+def test_update_names_a_recipe_that_is_not_one() -> None:
+    with pytest.raises(TypeError, match=r"^recipe must be an fp8kit DelayedScaling or "):
+        f8.update(f8.init_meta(), None, recipe="x")
+
+
+def test_zero_observations_names_its_argument() -> None:
+    with pytest.raises(TypeError, match=r"^meta must be an Fp8Meta, got ArrayImpl"):
+        f8.zero_observations(jnp.ones(3))

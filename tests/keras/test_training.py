@@ -362,7 +362,10 @@ def test_convert_model_swaps_dense_layers_and_keeps_weights(rng) -> None:
         # single elements near a cancellation err more, so no element-wise bound.
         diff = np.linalg.norm(converted(data).numpy() - ref) / np.linalg.norm(ref)
         assert diff < 0.2, diff
-    only_last = f8.convert_model(sequential, layer_filter=lambda layer: layer.units == 2)
+    for answer in (None, "no", 1):  # a filter that forgot its return converted nothing
+        with pytest.raises(TypeError, match=rf"^layer_filter must return a bool, got {answer!r}"):
+            f8.convert_model(sequential, layer_filter=lambda layer, answer=answer: answer)
+    only_last = f8.convert_model(sequential, layer_filter=lambda layer: np.int64(layer.units) == 2)
     assert [type(layer).__name__ for layer in only_last.layers] == ["Dense", "Dense"]
     assert not isinstance(only_last.layers[0], f8.Dense) and isinstance(
         only_last.layers[1], f8.Dense

@@ -431,8 +431,8 @@ def test_per_rank_state_dict_helpers_check_their_arguments() -> None:
     object is not iterable"; a model without FP8 state gave the dict back unchanged."""
     model = f8.Linear(4, 4)
     sd = model.state_dict()
-    for bad in (True, "0", -1, 1.0):
-        with pytest.raises(ValueError, match=r"^rank must be None \(this process's rank\) or an"):
+    for bad, error in ((True, TypeError), ("0", TypeError), (1.0, TypeError), (-1, ValueError)):
+        with pytest.raises(error, match=r"^rank must be None \(this process's rank\) or an"):
             f8.per_rank_fp8_state_dict(sd, model, rank=bad)
     for helper in (f8.per_rank_fp8_state_dict, f8.from_per_rank_fp8_state_dict):
         with pytest.raises(TypeError, match=r"^state_dict must be a mapping .*got Linear"):

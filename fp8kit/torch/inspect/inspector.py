@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from fp8kit.formats import FP8Format
-from fp8kit.recipe import Float8CurrentScaling, Recipe
+from fp8kit.recipe import Float8CurrentScaling, Recipe, require_int
 from fp8kit.torch import slot_cast
 from fp8kit.torch.inspect.stats import cast_statistics, combine
 from fp8kit.torch.quantization import Float8Tensor, current_scale
@@ -261,8 +261,7 @@ class Inspector:
     def __init__(self, model: nn.Module, *, every: int = 1) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be an int >= 1, got {every!r}")
+        require_int("every", every, 1)
         self.every = every
         self.records: list[SlotStats] = []
         self._model_type = type(model).__name__

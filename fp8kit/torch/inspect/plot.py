@@ -127,6 +127,10 @@ def stats_figure(
     The figure is not registered with pyplot: show it in a notebook by evaluating it, or save it
     with ``fig.savefig(path)``; nothing needs closing.
     """
+    if isinstance(metrics, str):  # would be read letter by letter
+        raise TypeError(
+            f"metrics must be a sequence of metric names such as ('amax',), got {metrics!r}"
+        )
     for m in metrics:
         if m not in _LABELS:
             raise ValueError(f"metrics must be a subset of {list(_LABELS)}, got {m!r}")

@@ -88,6 +88,11 @@ def resize_history(history: torch.Tensor, length: int) -> torch.Tensor:
     return out
 
 
+def _require_label(label: Any) -> None:
+    if not isinstance(label, str):
+        raise TypeError(f"label must be a str (names the owner in messages), got {label!r}")
+
+
 class ScalingState(nn.Module):
     """Delayed-scaling state of one direction of one module.
 
@@ -116,6 +121,7 @@ class ScalingState(nn.Module):
     ) -> None:
         require_int("num_slots", num_slots, 1)
         require_int("history_len", history_len, 1)
+        _require_label(label)
         super().__init__()
         self.num_slots = num_slots
         self.label = label  # what owns this state, for messages (e.g. "Linear(64, 32).forward")
@@ -285,7 +291,7 @@ class ScalingState(nn.Module):
         if not self.is_pristine():
             warnings.warn(
                 f"fp8kit: resizing an amax history from {self.history_len} to {length} entries "
-                f"({reason}); "
+                f"({self.label or 'an FP8 state'}, {reason}); "
                 + (
                     "the oldest entries are dropped"
                     if length < self.history_len
@@ -399,6 +405,7 @@ class FP8Meta(nn.Module):
         label: str = "",
     ) -> None:
         require_int("num_gemms", num_gemms, 1)
+        _require_label(label)
         super().__init__()
         self.num_gemms = num_gemms
         # Registered under the names "forward"/"backward" so state_dict keys read like the
@@ -438,6 +445,7 @@ class FP8Meta(nn.Module):
 
     def set_label(self, label: str) -> None:
         """Name the owner in messages (``convert_model`` uses the module's qualified name)."""
+        _require_label(label)
         self.forward.label = f"{label}.forward"
         self.backward.label = f"{label}.backward"
 
