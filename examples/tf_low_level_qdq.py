@@ -5,7 +5,8 @@ the GEMM inside ``tf.function(jit_compile=True)`` on dequantized operands (the p
 into an FP8 GEMM on Hopper GPUs), writes its result ``c`` as FP8 with a *delayed* output scale,
 and returns the amaxes so the next step's scales come from an amax history (docs/semantics.md
 section 3): slots INPUT (``a``), WEIGHT (``b``) and OUTPUT (``c``) of one forward state ``(L, 3)``.
-The quantization and the update rule are fp8kit.keras's, so the numbers equal fp8kit.torch's.
+The quantization and the update rule are fp8kit.keras's: the FP8 bytes equal fp8kit.torch's, and
+amaxes of ``c`` may differ from torch's by a float32 rounding (docs/keras.md, "Platform notes").
 
 Run: ``KERAS_BACKEND=tensorflow python examples/tf_low_level_qdq.py``
 """

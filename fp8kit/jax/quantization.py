@@ -245,9 +245,11 @@ def quantize(x: Any, scale: Any, fp8_dtype: Any, scale_inv: jax.Array | None = N
 
     Args:
         x: float32 / bfloat16 / float16 array, any shape.
-        scale: float or float32 one-element array, the factor applied before the cast. A
-            Python number must lie in ``[2**-126, FLT_MAX]`` (ValueError otherwise); an array
-            scale is not checked (it may be traced).
+        scale: float or float32 one-element array, the factor ``x`` is multiplied by before the
+            cast (``fmax / amax`` for delayed scaling; a divide-by scale such as seed 001's
+            ``amax / fmax`` is ``scale_inv``, docs/semantics.md section 7). A Python number
+            must lie in ``[2**-126, FLT_MAX]`` (ValueError otherwise); an array scale is not
+            checked (it may be traced).
         fp8_dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2`` (or the format / its name).
         scale_inv: optional precomputed ``1 / scale`` (float32, one element).
     """

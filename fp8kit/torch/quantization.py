@@ -240,8 +240,10 @@ def quantize(
 
     Args:
         x: float32 / bfloat16 / float16 tensor, any shape.
-        scale: float or float32 one-element tensor, the factor applied before the cast. A
-            Python number must lie in ``[2**-126, FLT_MAX]`` (ValueError otherwise, see
+        scale: float or float32 one-element tensor, the factor ``x`` is multiplied by before
+            the cast (``fmax / amax`` for delayed scaling; a divide-by scale such as seed 001's
+            ``amax / fmax`` is ``scale_inv``, docs/semantics.md section 7). A Python number
+            must lie in ``[2**-126, FLT_MAX]`` (ValueError otherwise, see
             :func:`fp8kit.formats.check_scale_number`); a tensor scale is not read on the host
             and therefore not checked.
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
