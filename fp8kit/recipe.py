@@ -34,9 +34,10 @@ _FLOAT_MAX = sys.float_info.max  # the largest Python float
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 FIRST_STEP_SCALINGS = ("unity", "current")
 
-# What a recipe callable must return, for the frontends' error messages: every frontend calls it
-# on the (L, N) history of all modules of a (recipe, group) and direction (docs/te_modules.md,
-# "Recipe callables"), so a 0-d result is refused rather than broadcast over the modules.
+# What a recipe callable must return, for the frontends' error messages: fp8kit.torch and
+# fp8kit.jax call it on the (L, N) history of every module of a (recipe, group) and direction
+# that ran since the last event (docs/te_modules.md, "Recipe callables"), so a 0-d result is
+# refused rather than broadcast over the modules.
 CALLABLE_SHAPE_HINT = (
     "one value per column: reduce over dim 0 of the (L, N) history, whose columns are the slots "
     "of every module that ran, so that each module keeps its own amax and scale"
@@ -262,9 +263,9 @@ class DelayedScaling(_RecipeBase):
 
     @property
     def margin_factor(self) -> float:
-        """``2**-margin`` as a Python float (exact for integer margins); ``inf`` for a margin
-        <= -1024, whose factor overflows a float (the scale is then capped at FLT_MAX, SPEC
-        section 3)."""
+        """``2**-margin`` as a Python float (exact for integer margins from -1023 to 1074);
+        ``inf`` for a margin <= -1024, whose factor overflows a float (the scale is then capped
+        at FLT_MAX, SPEC section 3), and 0.0 for a margin above 1074, where it underflows."""
         try:
             return 2.0 ** (-self.margin)
         except OverflowError:

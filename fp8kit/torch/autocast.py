@@ -1,9 +1,10 @@
 """``f8.autocast``: where FP8 is on, and when delayed-scaling states are updated (docs/semantics.md
 sections 3, 8).
 
-Forward states that ran (with grad enabled) inside the outermost enabled autocast are updated
-together when it exits, if grad mode is on at that moment. Backward states are updated together
-once per backward pass, from an autograd-engine callback that runs after the last backward node.
+Forward states that ran inside the outermost enabled autocast (whatever the grad mode at the call)
+are updated together when it exits, if grad mode is on (or it calibrates) at that moment.
+Backward states are updated together once per backward pass, from an autograd-engine callback
+that runs after the last backward node.
 
 With amax reduction (``torch.distributed``, ``reduce_amax=True``) an update event is a collective,
 so it must happen on every rank even where no module of that (recipe, group) ran: the outermost

@@ -123,6 +123,7 @@ def init_fp8_state(model: nn.Module, recipe: DelayedScaling | None = None) -> nn
         ``model`` itself.
 
     Raises:
+        TypeError: if ``recipe`` is not None or a DelayedScaling.
         ValueError: if ``model`` has no FP8 modules (called before ``convert_model``).
     """
     if recipe is None:
@@ -252,6 +253,7 @@ def from_per_rank_fp8_state_dict(
     Raises:
         KeyError: if ``state_dict`` lacks this rank's entries (saved with another world size or
             without :func:`per_rank_fp8_state_dict`).
+        TypeError: if ``state_dict`` is not a mapping or ``model`` not a module.
     """
     _check_state_dict_and_model(state_dict, model)
     r = _rank(rank)

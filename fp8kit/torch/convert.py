@@ -1,7 +1,8 @@
 """``convert_model``: swap every plain ``torch.nn.Linear`` / ``nn.MultiheadAttention`` of a model
 for its FP8 counterpart.
 
-What it converted and what it left (and why) goes to the ``fp8kit`` logger at INFO level.
+What it converted and what it left (and why) goes to the ``fp8kit`` logger at INFO level (WARNING
+when it converted nothing, and for a ``keep_high_precision`` pattern that matched no module).
 """
 
 from __future__ import annotations
@@ -222,8 +223,9 @@ def convert_model(
         existing optimizers keep working; a module shared by several parents stays one (FP8)
         module. Every FP8 module's state is labelled with its qualified name (warnings name it;
         :func:`label_fp8_modules`). The ``fp8kit`` logger lists the converted modules and every
-        Linear-like module left, with the reason (INFO); a later ``load_state_dict`` of a
-        checkpoint without FP8 state logs one line for all of it
+        Linear-like module left, with the reason (INFO; WARNING when nothing was converted, and
+        for a ``keep_high_precision`` pattern that matched nothing); a later
+        ``load_state_dict`` of a checkpoint without FP8 state logs one line for all of it
         (:func:`~fp8kit.torch.checkpoint.plain_state_dict` goes the other way). PyTorch's fused
         encoder fast path, which would bypass FP8 submodules in eval, is off inside
         ``f8.autocast`` (docs/te_modules.md).

@@ -27,6 +27,8 @@ def ddp_ignore_fp8_state(model: nn.Module) -> list[str]:
         The fully qualified buffer names now ignored by DDP.
 
     Raises:
+        TypeError: if ``model`` is not a module, or is already wrapped in
+            ``DistributedDataParallel``.
         ValueError: if ``model`` has no FP8 state (called before ``convert_model``).
     """
     if not isinstance(model, nn.Module):

@@ -69,7 +69,8 @@ def make_graphed_callables(
         The modules (or module), their ``forward`` replaced by graph replays. Call them inside
         an ``f8.autocast`` with the capture's settings (``enabled=fp8_enabled``,
         ``calibrating=fp8_calibrating``, ``recipe=fp8_recipe``, ``amax_reduction_group=fp8_group``;
-        anything else raises), so the update events run. The FP8 state is the same before and
+        anything else raises, except for a high-precision capture, both flags False, which
+        replays anywhere), so the update events run. The FP8 state is the same before and
         after this function (warm-up and capture leave no trace). A replay raises if the FP8
         buffers the graphs hold were replaced (``.to()``, a load with another history length);
         FP8 modules created later do not move them (they use other pools).

@@ -241,8 +241,9 @@ def fp8_run_for(
 
     ``module`` owns ``fp8_meta`` and ``_run_cache``; ``param`` is one of its parameters (for the
     device check); ``name`` is the forward argument ``x`` is and ``width_name`` the module's
-    attribute holding ``in_features``, for messages. None outside an enabled autocast and for
-    empty inputs.
+    attribute holding ``in_features``, for messages. None when neither FP8 nor calibration is on
+    (no autocast, or a plain disabled one) and for empty inputs; in a calibration-only region
+    the run has ``fp8=False``.
     """
     # checked in high precision too, so a wrong input gets these messages on both paths
     if not isinstance(x, torch.Tensor):
@@ -607,7 +608,8 @@ class Linear(FP8StateOwner, nn.Linear):
         init_method: fills ``weight`` in place, and the bias starts at 0 (Transformer Engine's
             ``init_method``); None: ``torch.nn.Linear``'s initialisation.
 
-    Outside an enabled autocast it is exactly ``torch.nn.Linear``. Any input shape
+    Outside an enabled autocast it computes exactly what ``torch.nn.Linear`` computes (a bad
+    input raises fp8kit's TypeError / ValueError naming the argument). Any input shape
     ``(*, in_features)`` and any feature sizes work (GEMM operands are zero-padded to multiples
     of 16 where needed). ``fp8_meta.forward`` / ``.backward`` hold the delayed-scaling state.
     """

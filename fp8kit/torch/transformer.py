@@ -66,7 +66,8 @@ class TransformerLayer(nn.Module):
             and fc2 weights in place, with zero biases (TE's); None: ``torch.nn.Linear``'s
             initialisation (TE's default differs: docs/te_modules.md).
         attn_input_format: ``"sbhd"`` (``[seq, batch, hidden]``, TE's default) or ``"bshd"``.
-        params_dtype (TE) / device: of the parameters.
+        params_dtype (TE) / dtype (PyTorch's name for it; give one) / device: of the
+            parameters.
 
     Submodules: ``layernorm_qkv`` (:class:`LayerNormLinear`), ``proj`` (:class:`Linear`),
     ``layernorm_mlp`` (:class:`LayerNormMLP`), each with its own FP8 state.
@@ -147,8 +148,9 @@ class TransformerLayer(nn.Module):
     ) -> torch.Tensor:
         """``[s, b, h]`` (or ``[b, s, h]`` with ``attn_input_format="bshd"``) -> same shape.
 
-        ``attention_mask`` (``self_attn_mask_type="padding"`` only): bool, broadcastable to
-        ``[b, 1, s, s]`` (TE uses ``[b, 1, 1, s]``); True marks a position that is masked out.
+        ``attention_mask`` (``self_attn_mask_type="padding"`` only): bool, 4-D, broadcastable to
+        ``[b, heads, s, s]`` (TE uses ``[b, 1, 1, s]``; another shape raises ValueError); True
+        marks a position that is masked out.
         ``is_first_microbatch``: passed to the four GEMM modules (FP8 weight caching across
         microbatches, docs/semantics.md section 4). Under ``torch.autocast`` the input is cast
         to its dtype first, as TE does, so the residual stream and the output have that dtype.
