@@ -9,7 +9,8 @@ FP8 training with delayed scaling where FP8 state is never a parameter:
   :class:`fp8kit.jax.nnx.Linear` (variable type ``Fp8MetaVariable``);
 * :func:`autocast`: construction-time defaults (the recipe is static, see docs/jax.md).
 
-``import fp8kit.jax`` imports jax (and flax for the layers), never torch.
+``import fp8kit.jax`` imports jax and, when it is installed, flax (whose serialization registry
+the FP8 meta joins, for checkpoints), never torch.
 """
 
 from typing import Any
@@ -81,7 +82,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # The Linen layers import flax; load them on first use so the functional core stays light.
+    # The Linen layers' module loads on first use (flax, when installed, is imported by
+    # fp8kit.jax.meta).
     if name in ("Dense", "DenseGeneral"):
         from fp8kit.jax import linen
 

@@ -608,7 +608,9 @@ def dot_general_chained(
         rhs: the weight (WEIGHT slot), a high-precision float array.
         dimension_numbers: as for ``jax.lax.dot_general``.
         meta: the module's :class:`Fp8Meta` (one module: no leading axes).
-        bias: optional, broadcastable to the output; added in float32 (before an FP8 output).
+        bias: optional, broadcastable to the output without changing its shape; added in the
+            GEMM's result dtype (bfloat16 for a bfloat16 output, float32 otherwise), before an
+            FP8 output.
         gemm: which GEMM of the module this is (slots ``3*gemm + FwdSlot``, ``2*gemm + BwdSlot``).
         fp8_output / fp8_grad: also pass the output / the lhs gradient through FP8 (OUTPUT and
             GRAD_INPUT slots), returning the dequantized values.

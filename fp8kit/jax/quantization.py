@@ -6,7 +6,8 @@ Numerics (docs/semantics.md section 2), identical to ``fp8kit.torch``:
 and the recorded amax is ``max |x|`` of the unscaled input with NaN ignored (0 for an empty or
 all-NaN array).
 
-Two platform facts (see ``docs/decisions/0102-jax-numerics-parity.md``):
+Three platform facts (``docs/decisions/0102-jax-numerics-parity.md``; the excess precision is
+decision 0247 and docs/jax.md, "Dtypes"):
 
 * NaN bytes: XLA encodes an E5M2 NaN as ``S.11111.10``; PyTorch (and fp8kit) use ``S.11111.11``.
   :func:`cast_to_fp8` rewrites E5M2 NaNs so both frontends produce the same bytes.

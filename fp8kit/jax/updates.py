@@ -410,8 +410,10 @@ def check_step(meta: Any, expected: int) -> None:
     A training loop that forgot to keep the state returned by :func:`update` shows up here: its
     metas stay behind the optimizer's step count.
     """
-    if isinstance(expected, bool) or not isinstance(expected, int) or expected < 0:
+    if isinstance(expected, bool) or not isinstance(expected, int):
         raise TypeError(f"expected must be an int >= 0 (the number of updates), got {expected!r}")
+    if expected < 0:
+        raise ValueError(f"expected must be an int >= 0 (the number of updates), got {expected}")
     flat = jax.tree_util.tree_flatten_with_path(meta, is_leaf=is_meta)[0]
     want = expected % STEP_WRAP
     if not any(isinstance(x, Fp8Meta) for _, x in flat):

@@ -86,7 +86,8 @@ def autocast(
     """Make FP8 layers constructed inside this block default to ``recipe``.
 
     Args:
-        enabled: False makes layers constructed inside run in high precision.
+        enabled: False makes layers constructed inside default to high precision (a layer's
+            own ``recipe=`` still applies).
         recipe: DelayedScaling or Float8CurrentScaling; None means ``DelayedScaling()``.
         gradient_accumulation_steps: backward passes per update event (match the optimizer's
             ``gradient_accumulation_steps``); the amaxes in between combine with max.

@@ -73,6 +73,8 @@ def convert_model(
     Raises:
         ValueError: a layer to convert has LoRA enabled and ``recipe`` is not None (skip it
             with ``layer_filter``, or convert with ``recipe=None``).
+        TypeError: ``model`` is not a Functional or Sequential Keras model, ``layer_filter`` is
+            not callable, or it returned something other than a bool.
 
     Warns:
         UserWarning: naming the Dense / EinsumDense layers left in high precision: subclasses

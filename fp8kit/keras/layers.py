@@ -6,7 +6,8 @@ arguments, variables, initialisation, regularizers, constraints, activation and 
 
 * ``recipe``: an ``fp8kit.recipe`` object, None for high precision, or left unset to take the
   :func:`fp8kit.keras.autocast` active at construction (``DelayedScaling()`` outside one);
-* ``gradient_accumulation_steps``: backward passes per update event (default 1).
+* ``gradient_accumulation_steps``: backward passes per update event (left unset: the active
+  autocast's value, else 1).
 
 The GEMM ``x @ kernel`` runs in FP8 (:mod:`fp8kit.keras.gemm`); the bias and activation are
 added as Keras does. The FP8 state is seven non-trainable float32 variables per layer

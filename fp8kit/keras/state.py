@@ -19,7 +19,8 @@ clipping and weight decay never see it), ``autocast=False`` (float32 under a mix
 ``aggregation="only_first_replica"`` (under ``tf.distribute`` every replica holds the same,
 already max-reduced values). :meth:`Fp8State.observe` folds one backward pass's amaxes into the
 staging rows and, at every ``accumulation_steps``-th pass, runs one update event for both
-directions as one ``(L, 5g)`` buffer (see ``docs/decisions/0601-keras-update-events.md``).
+directions: one ``(L, 5g)`` buffer with the built-in algorithms, one buffer per direction when
+the recipe has a callable (see ``docs/decisions/0601-keras-update-events.md``).
 """
 
 from __future__ import annotations

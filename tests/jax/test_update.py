@@ -317,8 +317,10 @@ def test_step_counter_detects_dropped_state() -> None:
     f8.check_step(kept, 3)
     with pytest.raises(ValueError, match=r"\['layer'\].*step \[0.0\]"):
         f8.check_step(meta, 3)
-    with pytest.raises(TypeError, match="expected"):
-        f8.check_step(meta, -1)
+    with pytest.raises(ValueError, match=r"^expected must be an int >= 0 .*got -1"):
+        f8.check_step(meta, -1)  # a range error (decision 0267)
+    with pytest.raises(TypeError, match=r"^expected must be an int >= 0 .*got 1\.0"):
+        f8.check_step(meta, 1.0)
 
 
 def test_update_rejects_mismatches() -> None:
