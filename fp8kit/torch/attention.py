@@ -38,6 +38,27 @@ __all__ = ["MultiheadAttention", "to_fp8_attention"]
 _Q, _K, _V, _OUT = 0, 1, 2, 3
 
 
+def _one_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are one input: the same object, or (eager) two objects that a
+    wrapper made of one tensor, with the same memory, shape, strides and dtype and the same
+    autograd node. FSDP2's pre-forward hook passes every input through one autograd Function,
+    so ``mha(x, x, x)`` of a sharded module arrives as three objects (docs/te_modules.md).
+    Aliases with their own autograd history (``x.detach().requires_grad_()``) stay apart."""
+    if a is b:
+        return True
+    if torch.compiler.is_compiling() or a.device.type == "meta":
+        return False
+    return (
+        a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+        and a.requires_grad == b.requires_grad
+        and (not a.requires_grad or (a.grad_fn is not None and a.grad_fn is b.grad_fn))
+    )
+
+
 class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
     """Drop-in ``torch.nn.MultiheadAttention`` whose four projections run in FP8 in autocast.
 
@@ -126,6 +147,8 @@ class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):
                 average_attn_weights=average_attn_weights,
                 is_causal=is_causal,
             )
+        if _one_tensor(query, key) and _one_tensor(key, value):
+            key = value = query  # self-attention: one packed q/k/v GEMM (_project_inputs)
         if query.dim() == 2:  # unbatched: a batch of one, then drop that dimension again
             dim = 0 if self.batch_first else 1
             q = query.unsqueeze(dim)

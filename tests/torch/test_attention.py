@@ -475,3 +475,56 @@ def test_a_wrong_query_width_is_named_with_and_without_fp8() -> None:
             pytest.raises(ValueError, match=rf"^query must have .*embed_dim={E}"),
         ):
             mha(q, q, q)
+
+
+class _Rewrap(torch.autograd.Function):
+    """Returns its inputs as new objects with one autograd node, as FSDP2's pre-forward hook
+    does to the inputs of a sharded module."""
+
+    @staticmethod
+    def forward(ctx, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return xs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return grads
+
+
+def test_self_attention_rewrapped_by_a_wrapper_stays_one_packed_gemm() -> None:
+    """``fully_shard(mha)`` then ``mha(x, x, x)``: query, key and value arrive as three objects
+    of one tensor, which ran three q/k/v GEMMs with their own scales (outputs 0.018 off the
+    unwrapped module after two steps). They are one input: one packed GEMM, the same numbers."""
+    torch.manual_seed(0)
+    recipe = DelayedScaling(amax_history_len=4)
+    direct, wrapped = f8.MultiheadAttention(16, 2), f8.MultiheadAttention(16, 2)
+    wrapped.load_state_dict(direct.state_dict())
+    for step in range(3):
+        x = torch.randn(6, 2, 16) * (step + 1)
+        outs = []
+        for mha, rewrap in ((direct, False), (wrapped, True)):
+            xi = x.clone().requires_grad_()
+            q, k, v = _Rewrap.apply(xi, xi, xi) if rewrap else (xi, xi, xi)
+            with f8.autocast(recipe=recipe):
+                out, _ = mha(q, k, v, need_weights=False)
+            out.square().sum().backward()
+            outs.append((out.detach(), xi.grad))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    for (name, a), b in zip(
+        direct.state_dict().items(), wrapped.state_dict().values(), strict=True
+    ):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), name
+    assert direct.fp8_meta.forward.update_count.tolist()[3:9] == [0] * 6  # k and v never ran
+
+
+def test_an_alias_with_its_own_autograd_history_is_another_input() -> None:
+    """``x.detach().requires_grad_()`` shares x's memory but is its own leaf: it keeps its own
+    projection and gets its own gradient."""
+    mha = f8.MultiheadAttention(16, 2)
+    x = torch.randn(6, 2, 16, requires_grad=True)
+    k = x.detach().requires_grad_()
+    with f8.autocast():
+        out, _ = mha(x, k, k, need_weights=False)
+    out.sum().backward()
+    assert k.grad is not None and x.grad is not None
+    assert mha.fp8_meta.forward.update_count.tolist()[3:5] == [1, 1]  # the k GEMM ran
