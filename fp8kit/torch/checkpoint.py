@@ -4,7 +4,8 @@ FP8 state is ordinary fixed-shape tensors in ``state_dict`` (``fp8_meta.forward.
 ``(L, n)``, ``.scale`` ``(n,)``, ``.update_count`` ``(n,)``) plus the recipe as JSON data, so any
 checkpointer can save it. Loading with a planner that writes into existing tensors, as
 ``torch.distributed.checkpoint`` (DCP) does, needs destination tensors of the saved shape, while a
-module is built with ``L = 1024`` and only resized at its first forward under a recipe:
+module is built with ``L = 1024`` and only resized at its first training forward (or update
+event) under a recipe:
 :func:`init_fp8_state` sizes every FP8 state for a recipe up front.
 
 DCP saves one copy of every (non-DTensor) tensor, as if all ranks held the same: right with
@@ -116,8 +117,8 @@ def init_fp8_state(model: nn.Module, recipe: DelayedScaling | None = None) -> nn
     Call it on a freshly built model before loading a checkpoint saved under ``recipe`` with
     ``torch.distributed.checkpoint.load`` (which needs destination tensors of the saved shapes),
     or to fix the state shapes before the first step. Histories get ``recipe.amax_history_len``
-    rows (a state that already holds values is resized with a warning, as at a forward under a
-    new recipe) and the recipe is recorded in each state's extra state.
+    rows (a state that already holds values is resized with a warning, as at a training forward
+    under a new recipe) and the recipe is recorded in each state's extra state.
 
     Returns:
         ``model`` itself.

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8kit.matmul_args import SECOND_DERIVATIVE_ERROR
-from fp8kit.recipe import DelayedScaling
+from fp8kit.recipe import DelayedScaling, Recipe
 from fp8kit.torch.autocast import FP8Settings, current_settings
 from fp8kit.torch.gemm import GEMM_ALIGNMENT, cublaslt_fuses_bias, fp8_gemm_bias_t, padded_mm
 from fp8kit.torch.quantization import (
@@ -119,13 +119,17 @@ def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> 
     recorded recipe are bound once per recipe, and the last run: an autocast entered with the
     same arguments gives the same settings object each step (:class:`FP8Settings`), so the
     steady state returns that run after a few identity tests. A buffer replaced since (a
-    checkpoint loaded with another L) makes a new run. In a graph traced by
+    checkpoint loaded with another L) makes a new run. A call that cannot update (grad off, not
+    calibrating: an evaluation) binds nothing: an evaluation under another recipe leaves the
+    history and the recorded recipe as training left them, on every rank alike (an event of
+    the recipe a state trains under binds it; docs/semantics.md section 6). In a graph traced by
     ``torch.compile`` nothing is bound or cached here (binding reads device values and replaces
     buffers): the compiled cast binds at run time (docs/decisions/0233-torch-compile.md).
     """
     recipe = settings.recipe
     if torch.compiler.is_compiling() or settings.replay is not None:
-        return _new_run(meta, settings)  # not kept: a replay's run holds its copies
+        # not kept: a replay's run holds its copies
+        return _new_run(meta, settings, torch.is_grad_enabled() or settings.calibrating)
     last = cache.get("run")
     if (
         last is not None
@@ -134,6 +138,16 @@ def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> 
         and last[2] == buffer_generation()
     ):
         return last[3]
+    if torch.is_grad_enabled() or settings.calibrating:
+        _bind(meta, recipe, cache)
+    run = _new_run(meta, settings)
+    cache["run"] = (settings, meta, buffer_generation(), run)
+    return run
+
+
+def _bind(meta: FP8Meta, recipe: Recipe, cache: dict[str, Any]) -> None:
+    """Bind ``meta`` to ``recipe`` unless the module's last binding was to it (and no checkpoint
+    of another history length was loaded since)."""
     if cache.get("recipe") is not recipe:
         if isinstance(recipe, DelayedScaling):
             bind_recipe(meta, recipe)
@@ -142,12 +156,9 @@ def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> 
         meta.forward.history_len != recipe.amax_history_len
     ):  # loaded from a checkpoint with another L since the last call
         bind_recipe(meta, recipe)
-    run = _new_run(meta, settings)
-    cache["run"] = (settings, meta, buffer_generation(), run)
-    return run
 
 
-def _new_run(meta: FP8Meta, settings: FP8Settings) -> FP8Run:
+def _new_run(meta: FP8Meta, settings: FP8Settings, binds: bool = True) -> FP8Run:
     return FP8Run(
         settings.plan,
         settings.group,
@@ -156,6 +167,7 @@ def _new_run(meta: FP8Meta, settings: FP8Settings) -> FP8Run:
         settings.event_key,
         settings.forward_states,
         settings.replay,
+        binds,
     )
 
 

@@ -37,6 +37,9 @@ class FP8Run:
     (where forward enrolments go; None: look the queue up at each enrolment).
     ``replay``: set while an activation checkpoint recomputes: forward casts read the forward's
     scales from it, and nothing is recorded or enrolled (:mod:`fp8kit.torch.recompute`).
+    ``binds``: in a traced call, whether its forward casts bind the module's states to the
+    recipe: only a call that can update (grad on or calibrating at the module call, decided
+    before the autograd Function's forward turns grad off), as eager's ``prepare_run``.
     """
 
     plan: RecipePlan
@@ -46,6 +49,7 @@ class FP8Run:
     event_key: int = 0
     forward_states: dict[int, ScalingState] | None = None
     replay: Replay | None = None
+    binds: bool = True
 
     @property
     def recipe(self) -> Recipe:
@@ -87,7 +91,16 @@ class FP8Run:
         enrol_state = record and self.plan.delayed
         if torch.compiler.is_compiling():
             return quantize_traced(
-                self.meta, self.event_key, x, slot, False, record, transpose, False, enrol_state
+                self.meta,
+                self.event_key,
+                x,
+                slot,
+                False,
+                record,
+                transpose,
+                False,
+                enrol_state,
+                self.binds,
             )[0]
         if captures and self.plan.delayed:  # inside an activation_checkpoint's forward
             note_cast(state, self.plan.first_step_current)
@@ -115,7 +128,16 @@ class FP8Run:
         state = self.meta.backward
         if torch.compiler.is_compiling():
             return quantize_traced(
-                self.meta, self.event_key, x, slot, True, True, transpose, dbias, self.plan.delayed
+                self.meta,
+                self.event_key,
+                x,
+                slot,
+                True,
+                True,
+                transpose,
+                dbias,
+                self.plan.delayed,
+                True,  # a backward cast trains by definition
             )
         out = quantize_slot(x, self.plan, state, slot, True, True, transpose, dbias)
         if self.plan.delayed:

@@ -40,8 +40,8 @@ _SLOT_ARGS = (
 # whose Python ADInplaceOrView kernel re-read the schema once per argument on every call
 # (docs/decisions/0252-first-gpu-run.md); the ops are now plain library ops (ADR 0254), and one
 # int is still the fewest arguments to convert per call.
-_BACKWARD, _RECORD, _TRANSPOSE, _DBIAS, _ENROL = 1, 2, 4, 8, 16
-_FLAG_BITS = 5
+_BACKWARD, _RECORD, _TRANSPOSE, _DBIAS, _ENROL, _BIND = 1, 2, 4, 8, 16, 32
+_FLAG_BITS = 6
 
 
 def _pack_call(
@@ -51,14 +51,16 @@ def _pack_call(
     transpose: bool = False,
     dbias: bool = False,
     enrol_state: bool = False,
+    bind: bool = True,
 ) -> int:
-    """``slot << 5`` with one bit per flag (:data:`_BACKWARD` ... :data:`_ENROL`)."""
+    """``slot << 6`` with one bit per flag (:data:`_BACKWARD` ... :data:`_BIND`)."""
     flags = (
         _BACKWARD * backward
         | _RECORD * record
         | _TRANSPOSE * transpose
         | _DBIAS * dbias
         | _ENROL * enrol_state
+        | _BIND * bind
     )
     return slot << _FLAG_BITS | flags
 
@@ -81,9 +83,9 @@ def _quantize_slot(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_slot` for the module whose states have uids ``forward_uid`` /
     ``backward_uid`` (the ``_BACKWARD`` flag picks one), binding both to the recipe first if
-    needed, then enrolling the state in its next update event when ``_ENROL`` is set. ``call``:
-    :func:`_pack_call` of the slot and the flags. ``token``: the state's ``op_token`` (its
-    contents are never touched).
+    needed and the ``_BIND`` flag is set, then enrolling the state in its next update event
+    when ``_ENROL`` is set. ``call``: :func:`_pack_call` of the slot and the flags. ``token``:
+    the state's ``op_token`` (its contents are never touched).
 
     Returns ``(data, data_t, scale_inv, dbias)``, with 0-element tensors for outputs not asked.
     """
@@ -94,7 +96,7 @@ def _quantize_slot(
         check_not_recomputed("torch.compile")
     plan = plan_for(event_of(event_key)[0])
     state = state_by_uid(backward_uid if backward else forward_uid)
-    if plan.delayed:
+    if plan.delayed and call & _BIND:
         # A forward cast binds both states, as eager's module call does (prepare_run); a
         # backward cast only the state it casts into, as eager's backward event does: the
         # module may have run under another recipe since its forward (decision 0247).
@@ -181,9 +183,11 @@ def quantize_traced(
     transpose: bool,
     dbias: bool,
     enrol_state: bool,
+    bind: bool,
 ) -> tuple[Float8Tensor, torch.Tensor | None]:
     """The cast of a traced module call into ``slot`` of ``meta``'s forward or backward state:
-    one ``fp8kit::quantize_slot`` node. Returns ``(q, dbias or None)``; ``q.amax`` is None."""
+    one ``fp8kit::quantize_slot`` node; ``bind``: whether it binds the states to the recipe
+    (:attr:`FP8Run.binds`). Returns ``(q, dbias or None)``; ``q.amax`` is None."""
     state = meta.backward if backward else meta.forward
     data, data_t, scale_inv, db = _quantize_slot_op(
         state.op_token,
@@ -191,7 +195,7 @@ def quantize_traced(
         meta.forward.uid,
         meta.backward.uid,
         event_key,
-        _pack_call(slot, backward, record, transpose, dbias, enrol_state),
+        _pack_call(slot, backward, record, transpose, dbias, enrol_state, bind),
     )
     q = Float8Tensor(data, scale_inv, None, data_t if transpose else None)
     return q, db if dbias else None

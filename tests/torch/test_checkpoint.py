@@ -146,11 +146,10 @@ def test_loading_another_history_length_adopts_it_then_the_recipe_resizes() -> N
     shorter = DelayedScaling(amax_history_len=4)
     with (
         pytest.warns(UserWarning, match="from 8 to 4 entries.*oldest entries are dropped"),
-        torch.no_grad(),  # outside the autocast: its exit runs no event (nothing rolls)
         f8.autocast(recipe=shorter),
     ):
-        b(torch.zeros(1, 32))
-    assert torch.equal(b[0].fp8_meta.forward.amax_history[1:], saved[5:])
+        b(torch.zeros(1, 32))  # a training call binds (an evaluation would not, decision 0267)
+        assert torch.equal(b[0].fp8_meta.forward.amax_history[1:], saved[5:])  # before the event
 
 
 def test_resize_history_keeps_newest_and_pads_older_side() -> None:
