@@ -398,3 +398,42 @@ def test_check_chains_false_lowers_without_a_host_conditional() -> None:
     checked, unchecked = compiled_text(True), compiled_text(False)
     assert "conditional(" in checked and "callback" in checked
     assert "conditional(" not in unchecked and "callback" not in unchecked
+
+
+@pytest.mark.parametrize("result", ["zero", "negative"])
+def test_a_callable_scale_of_zero_or_below_keeps_the_old_scale(result: str) -> None:
+    """SPEC section 9: no scale is 0 or negative; the old scale stays, the event counts."""
+
+    def bad(amax, old_scale, fp8_max, recipe):
+        return jnp.zeros_like(amax) if result == "zero" else -fp8_max / amax
+
+    r = f8.DelayedScaling(amax_history_len=2, scaling_factor_compute_algo=bad)
+    hist = jnp.asarray([[4.0], [0.0]])
+    h, s, c = update_scaling_state(hist, jnp.asarray([3.0]), jnp.zeros(1), r, 448.0)
+    assert s.tolist() == [3.0] and c.tolist() == [1.0] and h[:, 0].tolist() == [0.0, 4.0]
+
+
+@pytest.mark.parametrize(
+    ("column", "scale", "rolled"),
+    [([1.0, np.nan, 2.0], 224.0, [0.0, 2.0, 1.0]), ([1.0, np.nan, np.nan], 448.0, None)],
+)
+def test_max_window_ignores_nan_entries_of_a_loaded_history(column, scale, rolled) -> None:
+    """A NaN reaches a history only by a load or an edit; "max" ignores it (SPEC section 3),
+    as fp8kit.torch does: window [NaN, 2, current 1] -> 2, [NaN, NaN, 1] -> 1."""
+    r = f8.DelayedScaling(amax_history_len=3)
+    hist = jnp.asarray(column, jnp.float32)[:, None]
+    h, s, _ = update_scaling_state(hist, jnp.ones(1), jnp.zeros(1), r, 448.0)
+    assert s.tolist() == [scale]
+    if rolled is not None:
+        assert h[:, 0].tolist() == rolled
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_a_count_reaching_the_wrap_value_stays_positive(interval: int) -> None:
+    """The count wraps only past ``count_wrap``: one landing on it is still a slot with
+    history (0 would mean none, and first-step current scaling would start again)."""
+    r = f8.DelayedScaling(amax_history_len=2, interval=interval)
+    wrap = count_wrap(interval)
+    hist = jnp.zeros((2, 1)).at[0, 0].set(4.0)
+    _, _, c = update_scaling_state(hist, jnp.ones(1), jnp.asarray([wrap - 1.0]), r, 448.0)
+    assert c.tolist() == [float(wrap)]

@@ -244,6 +244,30 @@ def test_no_grad_forward_accumulates_without_rolling() -> None:
     assert state.scale[INPUT].item() == 64.0
 
 
+def test_an_evaluation_under_a_shorter_history_recipe_keeps_the_training_history() -> None:
+    """A no_grad evaluation under a recipe with a shorter history resized the state to it and
+    back at the next training event, dropping the oldest entries: on one rank only after a
+    rank-local evaluation, so the ranks' scales parted for good (docs/distributed.md rule 4).
+    An evaluation binds nothing now: the run equals one that evaluates under the training
+    recipe, entry for entry (the evaluation's amax is staged as the SPEC says)."""
+    train, short = DelayedScaling(amax_history_len=8), DelayedScaling(amax_history_len=2)
+    states = []
+    for eval_recipe in (train, short):
+        torch.manual_seed(0)
+        layer = f8.Linear(16, 16)
+        for step, amax in enumerate((8.0, 7.0, 6.0, 5.0)):
+            with f8.autocast(recipe=train):
+                layer(_x_with_amax(amax)).sum().backward()
+            if step == 1:
+                with torch.no_grad(), f8.autocast(recipe=eval_recipe):
+                    layer(_x_with_amax(1.0))
+        states.append(layer.fp8_meta.forward)
+    assert torch.equal(states[0].amax_history, states[1].amax_history)
+    assert states[1].amax_history[:, INPUT].tolist() == [0, 0, 0, 0, 8, 7, 6, 5]
+    assert states[1].scale[INPUT].item() == 56.0  # 448 / 8: the 8 is still in the window
+    assert states[1].recipe_data == train.to_dict()
+
+
 def test_a_module_run_under_no_grad_inside_a_training_autocast_joins_its_event() -> None:
     """A frozen teacher or backbone called under ``torch.no_grad()`` inside the training
     autocast: the event is decided at the exit (grad mode on there), so its forward state rolls
@@ -426,3 +450,17 @@ def test_reference_sequences_agree_with_spec_numbers() -> None:
     # drift together.
     scales, hist = scale_sequence([1, 2, 8, 3], DelayedScaling(amax_history_len=4), 448.0)
     assert scales == f32([448, 224, 56, 56]) and hist.tolist() == [0, 2, 8, 3]
+
+
+@pytest.mark.parametrize("result", ["zero", "negative"])
+def test_a_callable_scale_of_zero_or_below_keeps_the_old_scale(result: str) -> None:
+    """SPEC section 9: no scale is 0 or negative; a callable's such result keeps the old scale,
+    and the event still counts (the slot ran)."""
+
+    def bad(amax, old_scale, fp8_max, recipe):
+        return torch.zeros_like(amax) if result == "zero" else -fp8_max / amax
+
+    recipe = DelayedScaling(amax_history_len=2, scaling_factor_compute_algo=bad)
+    hist = torch.tensor([[4.0], [0.0]])
+    h, s, c = update_scaling_state(hist, torch.tensor([3.0]), torch.tensor([0]), recipe, 448.0)
+    assert s.tolist() == [3.0] and c.tolist() == [1] and h[:, 0].tolist() == [0.0, 4.0]
