@@ -40,23 +40,37 @@ _Q, _K, _V, _OUT = 0, 1, 2, 3
 
 def _one_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are one input: the same object, or (eager) two objects that a
-    wrapper made of one tensor, with the same memory, shape, strides and dtype and the same
-    autograd node. FSDP2's pre-forward hook passes every input through one autograd Function,
-    so ``mha(x, x, x)`` of a sharded module arrives as three objects (docs/te_modules.md).
-    Aliases with their own autograd history (``x.detach().requires_grad_()``) stay apart."""
+    wrapper passed on from one tensor. FSDP2's pre-forward hook passes every input through one
+    autograd Function that returns its inputs, so ``mha(x, x, x)`` of a sharded module arrives
+    as three objects (docs/te_modules.md). Both must hold the same values (memory, shape,
+    strides, dtype, no negative or conjugate view bit) and, with autograd, come out of one node
+    from one upstream edge: the inputs of their positions are one tensor. An alias with its
+    own autograd history (``x.detach().requires_grad_()``, a gradient-reversal view) stays
+    apart, re-wrapped or not."""
     if a is b:
         return True
     if torch.compiler.is_compiling() or a.device.type == "meta":
         return False
-    return (
+    same_values = (
         a.device == b.device
         and a.dtype == b.dtype
         and a.shape == b.shape
         and a.stride() == b.stride()
         and a.data_ptr() == b.data_ptr()
+        and a.is_neg() == b.is_neg()
+        and a.is_conj() == b.is_conj()
         and a.requires_grad == b.requires_grad
-        and (not a.requires_grad or (a.grad_fn is not None and a.grad_fn is b.grad_fn))
     )
+    if not same_values or not a.requires_grad:
+        return same_values
+    node = a.grad_fn
+    if node is None or node is not b.grad_fn:
+        return False
+    edges = node.next_functions  # one per tensor input of the node
+    if max(a.output_nr, b.output_nr) >= len(edges):
+        return False  # outputs that are not its inputs passed on (a split, an unbind)
+    (node_a, nr_a), (node_b, nr_b) = edges[a.output_nr], edges[b.output_nr]
+    return node_a is not None and node_a is node_b and nr_a == nr_b
 
 
 class MultiheadAttention(FP8StateOwner, nn.MultiheadAttention):

@@ -136,12 +136,14 @@ def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> 
         and last[0] is settings
         and last[1] is meta
         and last[2] == buffer_generation()
+        and (last[4] or not (torch.is_grad_enabled() or settings.calibrating))
     ):
-        return last[3]
-    if torch.is_grad_enabled() or settings.calibrating:
+        return last[3]  # a run cached by an evaluation is not one that bound (last[4])
+    binds = torch.is_grad_enabled() or settings.calibrating
+    if binds:
         _bind(meta, recipe, cache)
     run = _new_run(meta, settings)
-    cache["run"] = (settings, meta, buffer_generation(), run)
+    cache["run"] = (settings, meta, buffer_generation(), run, binds)
     return run
 
 

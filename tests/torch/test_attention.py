@@ -519,12 +519,19 @@ def test_self_attention_rewrapped_by_a_wrapper_stays_one_packed_gemm() -> None:
 
 def test_an_alias_with_its_own_autograd_history_is_another_input() -> None:
     """``x.detach().requires_grad_()`` shares x's memory but is its own leaf: it keeps its own
-    projection and gets its own gradient."""
-    mha = f8.MultiheadAttention(16, 2)
-    x = torch.randn(6, 2, 16, requires_grad=True)
-    k = x.detach().requires_grad_()
-    with f8.autocast():
-        out, _ = mha(x, k, k, need_weights=False)
-    out.sum().backward()
-    assert k.grad is not None and x.grad is not None
-    assert mha.fp8_meta.forward.update_count.tolist()[3:5] == [1, 1]  # the k GEMM ran
+    projection and gets its own gradient, also when a wrapper re-wraps the three inputs (they
+    then share one autograd node, but come from two upstream tensors)."""
+    grads = []
+    for rewrap in (False, True):
+        torch.manual_seed(0)
+        mha = f8.MultiheadAttention(16, 2)
+        x = torch.randn(6, 2, 16, requires_grad=True)
+        k = x.detach().requires_grad_()
+        q, kk, vv = _Rewrap.apply(x, k, k) if rewrap else (x, k, k)
+        with f8.autocast():
+            out, _ = mha(q, kk, vv, need_weights=False)
+        out.sum().backward()
+        assert mha.fp8_meta.forward.update_count.tolist()[3:5] == [1, 1]  # the k GEMM ran
+        grads.append((x.grad, k.grad))
+    (x0, k0), (x1, k1) = grads
+    assert k0.abs().sum() > 0 and torch.equal(k0, k1) and torch.equal(x0, x1)

@@ -250,6 +250,34 @@ def test_an_evaluation_under_another_recipe_binds_nothing_as_in_eager() -> None:
             assert torch.equal(value, compiled_state[name]), name
 
 
+def test_a_training_call_after_an_evaluation_binds_as_in_eager() -> None:
+    """Train under B, calibrate under A (same L, another margin: both states bound to A), a
+    no_grad evaluation under B, then train under B: the training call must bind both states to
+    B again. Eager returned the run cached by the evaluation, which had not bound, and the
+    backward state kept recording A (the event does not rebind a state whose L is right)."""
+    b, a = DelayedScaling(amax_history_len=4), DelayedScaling(amax_history_len=4, margin=1)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 16, generator=gen)
+
+    def run(model: torch.nn.Module, compiled: bool) -> list[Any]:
+        call = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+        with f8.autocast(recipe=b):
+            call(x).square().mean().backward()
+        with torch.no_grad(), f8.autocast(enabled=False, calibrating=True, recipe=a):
+            call(x)
+        with torch.no_grad(), f8.autocast(recipe=b):
+            call(x)
+        for _ in range(2):
+            with f8.autocast(recipe=b):
+                call(x).square().mean().backward()
+        meta = model.fp8_meta
+        return [(s.history_len, s.recipe_data) for s in (meta.forward, meta.backward)]
+
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        assert run(f8.Linear(16, 16), compiled) == [(4, b.to_dict())] * 2, compiled
+
+
 def test_transformer_layer_matches_eager() -> None:
     def make() -> torch.nn.Module:
         torch.manual_seed(0)
