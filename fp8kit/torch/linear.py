@@ -101,8 +101,11 @@ def _note_weights_kept(module: nn.Module, state_dict: dict[str, Any], prefix: st
 
 def _fresh_fp8_state_beside_the_weights(module: nn.Module, incompatible: Any) -> None:
     """Load-state-dict post hook of an :class:`FP8StateOwner` (it runs after ``fp8_meta``'s
-    own): FP8 state still on ``meta`` after its owner's parameters were assigned real tensors is
-    materialised, fresh, on their device."""
+    own): the run cache is emptied, so that the next training call binds the loaded state to
+    its recipe (it may record another one, with the same history length), as a compiled call
+    does; and FP8 state still on ``meta`` after its owner's parameters were assigned real
+    tensors is materialised, fresh, on their device."""
+    module._run_cache.clear()
     meta = module.fp8_meta
     if not isinstance(meta, FP8Meta) or meta.forward.device.type != "meta":
         return

@@ -278,6 +278,29 @@ def test_a_training_call_after_an_evaluation_binds_as_in_eager() -> None:
         assert run(f8.Linear(16, 16), compiled) == [(4, b.to_dict())] * 2, compiled
 
 
+def test_training_after_a_load_records_the_training_recipe_as_in_eager() -> None:
+    """A checkpoint saved under A (same L as B, another margin) loaded into a model that trains
+    under B: the next training call binds, eager as compiled, so both record B. Eager kept the
+    loaded A, its last binding being to B already."""
+    b, a = DelayedScaling(amax_history_len=4), DelayedScaling(amax_history_len=4, margin=1)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    saved = f8.Linear(16, 16)
+    with f8.autocast(recipe=a):
+        saved(x).square().mean().backward()
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = f8.Linear(16, 16)
+        call = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+        with f8.autocast(recipe=b):
+            call(x).square().mean().backward()
+        model.load_state_dict(saved.state_dict())
+        with f8.autocast(recipe=b):
+            call(x).square().mean().backward()
+        recorded = [s.recipe_data for s in (model.fp8_meta.forward, model.fp8_meta.backward)]
+        assert recorded == [b.to_dict()] * 2, compiled
+
+
 def test_transformer_layer_matches_eager() -> None:
     def make() -> torch.nn.Module:
         torch.manual_seed(0)
