@@ -50,6 +50,7 @@ __all__ = [
     "fwd_slot",
     "init_meta",
     "is_meta",
+    "no_meta_error",
     "observations_of",
     "resize_history",
     "with_recipe",
@@ -324,11 +325,18 @@ def with_recipe(meta_tree: Any, recipe: Recipe) -> Any:
     if not any(
         isinstance(x, Fp8Meta) for x in jax.tree_util.tree_leaves(meta_tree, is_leaf=is_meta)
     ):
-        raise ValueError(
-            "with_recipe found no Fp8Meta in meta_tree: pass the tree that holds the FP8 state "
-            "(e.g. the whole Flax variable dict, with its 'fp8_meta' collection)"
-        )
+        raise no_meta_error("with_recipe", "meta_tree")
     return jax.tree_util.tree_map(convert, meta_tree, is_leaf=is_meta)
+
+
+def no_meta_error(caller: str, argument: str, consequence: str = "") -> ValueError:
+    """The error of a call given a tree without any :class:`Fp8Meta`, where it would do nothing
+    (most often ``variables["params"]`` instead of the whole variable dict)."""
+    return ValueError(
+        f"{caller} found no Fp8Meta in {argument}{consequence}: pass the tree that holds the FP8 "
+        "state (e.g. the whole Flax variable dict, with its 'fp8_meta' collection, not "
+        "variables['params'])"
+    )
 
 
 # --- checkpoints -------------------------------------------------------------------------------

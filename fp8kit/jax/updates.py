@@ -26,6 +26,7 @@ from fp8kit.jax.meta import (
     check_recipe,
     is_meta,
     is_observation,
+    no_meta_error,
     observations_of,
 )
 from fp8kit.jax.scaling import update_scaling_state
@@ -84,10 +85,8 @@ def _match(
     flat, treedef = jax.tree_util.tree_flatten_with_path(meta_tree, is_leaf=is_meta)
     metas = [(p, x) for p, x in flat if isinstance(x, Fp8Meta)]
     if not metas and observations is None:
-        raise ValueError(
-            f"{caller} found no Fp8Meta in its first argument and got no observations, so it "
-            "would do nothing: pass the tree that holds the FP8 state (e.g. the whole Flax "
-            "variable dict, with its 'fp8_meta' collection, not variables['params'])"
+        raise no_meta_error(
+            caller, "its first argument", " and got no observations, so it would do nothing"
         )
     for path, meta in metas:
         check_meta_dtypes(meta, f"meta{_path_str(path)}")
@@ -417,10 +416,7 @@ def check_step(meta: Any, expected: int) -> None:
     flat = jax.tree_util.tree_flatten_with_path(meta, is_leaf=is_meta)[0]
     want = expected % STEP_WRAP
     if not any(isinstance(x, Fp8Meta) for _, x in flat):
-        raise ValueError(
-            "check_step found no Fp8Meta in meta: pass the tree that holds the FP8 state (e.g. "
-            "the whole Flax variable dict, with its 'fp8_meta' collection)"
-        )
+        raise no_meta_error("check_step", "meta")
     bad = []
     for path, x in flat:
         if isinstance(x, Fp8Meta):

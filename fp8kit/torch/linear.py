@@ -132,22 +132,28 @@ def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> 
     recipe = settings.recipe
     if torch.compiler.is_compiling() or settings.replay is not None:
         # not kept: a replay's run holds its copies
-        return _new_run(meta, settings, torch.is_grad_enabled() or settings.calibrating)
+        return _new_run(meta, settings, _can_update(settings))
     last = cache.get("run")
     if (
         last is not None
         and last[0] is settings
         and last[1] is meta
         and last[2] == buffer_generation()
-        and (last[4] or not (torch.is_grad_enabled() or settings.calibrating))
+        and (last[4] or not _can_update(settings))
     ):
         return last[3]  # a run cached by an evaluation is not one that bound (last[4])
-    binds = torch.is_grad_enabled() or settings.calibrating
+    binds = _can_update(settings)
     if binds:
         _bind(meta, recipe, cache)
     run = _new_run(meta, settings)
     cache["run"] = (settings, meta, buffer_generation(), run, binds)
     return run
+
+
+def _can_update(settings: FP8Settings) -> bool:
+    """Whether a module call under ``settings`` can lead to an update event of its state: grad
+    on, or calibrating (an evaluation cannot, and binds nothing)."""
+    return torch.is_grad_enabled() or settings.calibrating
 
 
 def _bind(meta: FP8Meta, recipe: Recipe, cache: dict[str, Any]) -> None:
