@@ -42,6 +42,17 @@ def test_format_members_map_to_forward_and_backward_encodings() -> None:
     assert E4M3.min_subnormal == 2.0**-9 and E5M2.min_subnormal == 2.0**-16
 
 
+def test_format_fields_are_the_encodings_bit_layouts() -> None:
+    # tests/reference.py rounds with these fields, so each is pinned here to the OCP FP8
+    # encoding it names (E4M3 "fn": no infinities, S.1111.111 is NaN; E5M2: IEEE-like).
+    layouts = {E4M3: (4, 3, 7, 448.0, 2.0**-6, 2.0**-9, False)}
+    layouts[E5M2] = (5, 2, 15, 57344.0, 2.0**-14, 2.0**-16, True)
+    for fmt, want in layouts.items():
+        got = (fmt.exponent_bits, fmt.mantissa_bits, fmt.bias, fmt.max)
+        got += (fmt.min_normal, fmt.min_subnormal, fmt.has_inf)
+        assert got == want, fmt.name
+
+
 def test_delayed_scaling_defaults() -> None:
     r = DelayedScaling()
     assert r.margin == 0
