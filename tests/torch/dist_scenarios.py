@@ -756,7 +756,7 @@ def job_rank_never_arrives(rank: int, world: int, workdir: str) -> dict[str, Any
     """Rank 1 never reaches the update event; rank 0 must fail within the group timeout."""
     release = Path(workdir) / "release"
     if rank == 1:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # run_job's limit in the test
         while not release.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         return {"message": None}

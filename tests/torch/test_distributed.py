@@ -378,11 +378,11 @@ def test_a_skipped_backward_pass_raises_also_with_a_frozen_teacher(tmp_path: Pat
 
 
 def test_rank_that_never_arrives_fails_within_timeout(tmp_path: Path) -> None:
-    res = run_job(job_rank_never_arrives, 2, tmp_path, timeout_s=60, pg_timeout_s=4)[0]
+    res = run_job(job_rank_never_arrives, 2, tmp_path, timeout_s=180, pg_timeout_s=4)[0]
     assert res["message"] is not None
     # The layout check of the first event waited for rank 1 and gave up at the group's timeout.
     assert res["message"].startswith("fp8kit: the forward FP8 state layout check over WORLD")
-    assert "Timed out" in res["message"]  # a hang instead would fail run_job's 60 s limit
+    assert "Timed out" in res["message"]  # a hang instead would fail run_job's 180 s limit
 
 
 # ---------------------------------------------------------------------------------------------
