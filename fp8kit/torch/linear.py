@@ -523,8 +523,9 @@ class _LinearFunction(torch.autograd.Function):
             else:
                 dw = _float32_mm(dy.t(), x_hp, weight.dtype)
         if need_db:
-            if db is None:  # dY was not cast (both GEMMs high precision or not needed)
-                db = dy.to(torch.float32).sum(0)
+            if db is None:  # dY was not cast (both GEMMs high precision or not needed):
+                # the fused cast's rule, so the override gives the same db (docs/semantics.md 4)
+                db = dy.sum(0, dtype=torch.float32).to(dy.dtype)
             if db.dtype != ctx.bias_dtype:
                 db = db.to(ctx.bias_dtype)
         else:

@@ -485,3 +485,92 @@ def test_weight_cache_not_needed_when_no_gemm_uses_the_fp8_weight() -> None:
         second = layer(x, is_first_microbatch=False)  # no FP8 weight is needed: no error
     torch.testing.assert_close(first, second, rtol=0, atol=0)
     assert layer.fp8_meta.forward.amax_history[:, WEIGHT].abs().sum().item() == 0
+
+
+def test_unaligned_bias_is_added_before_the_one_rounding_to_bfloat16():
+    """Kills L01 (linear.py `_gemm`: the padded GEMM rounds to bfloat16 before a float32 bias is
+    added, then rounds again). SPEC 4: the bias is added in high precision, the sum rounded once.
+    Integers |x| <= 16 and |w| <= 8 are exact in E4M3 at the first step's scale 1, and their
+    products and sums are exact in float32, so the reference is exact."""
+    torch.manual_seed(0)
+    m, k, n = 3, 20, 24  # not multiples of 16: the padded path, bias not fusable (float32 bias)
+    layer = f8.Linear(k, n)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randint(-8, 9, (n, k)).float())
+        layer.bias.fill_(0.75)
+    x = torch.randint(-16, 17, (m, k)).to(torch.bfloat16)
+    with f8.autocast(recipe=DelayedScaling()):
+        y = layer(x)
+    exact = x.double() @ layer.weight.detach().double().T + 0.75  # exact in float32 as well
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, exact.float().to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_a_frozen_weight_needs_no_fp8_input_for_wgrad():
+    """Kills L02 (linear.py `_LinearFunction.forward`: `wgrad_fp8 = wgrad_fp8 and
+    weight.requires_grad` removed). With W frozen there is no wgrad, so with fprop in high
+    precision (override) no FP8 GEMM reads x: x is never quantized, its slot keeps history 0
+    (SPEC 3, "a slot that is never quantized keeps history 0 and scale 1"), and backward keeps
+    no FP8 copy of x^T (SPEC 4: only what the FP8 GEMMs need is saved)."""
+    torch.manual_seed(0)
+    layer = f8.Linear(32, 16)
+    layer.weight.requires_grad_(False)
+    x = torch.randn(8, 32, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    recipe = DelayedScaling(amax_history_len=4, override_linear_precision=(True, False, False))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), f8.autocast(recipe=recipe):
+        y = layer(x)
+    y.sum().backward()
+    fwd = layer.fp8_meta.forward
+    assert torch.all(fwd.amax_history[:, INPUT] == 0)
+    assert fwd.scale[INPUT].item() == 1.0
+    assert fwd.update_count[INPUT].item() == 0
+    assert fwd.update_count[WEIGHT].item() == 1  # dgrad still runs in FP8 from W
+    fp8_saved = [shape for dtype, shape in saved if dtype.itemsize == 1]
+    assert fp8_saved == [(32, 16)]  # W^T for dgrad only, no (32, 8) x^T
+    assert x.grad is not None
+
+
+def test_aligned_bias_under_the_scaled_mm_backend_is_rounded_once(monkeypatch):
+    """Kills G04 (gemm.py `fp8_gemm_bias`: the GEMM writes bfloat16 and a float32 bias is added
+    after that rounding). Same exact-integer construction as the unaligned test above, with
+    aligned sizes and the CPU `scaled_mm` backend (the path CUDA takes)."""
+    monkeypatch.setattr(gemm, "_cpu_backend", ["scaled_mm"])
+    torch.manual_seed(0)
+    m, k, n = 16, 32, 32
+    layer = f8.Linear(k, n)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randint(-8, 9, (n, k)).float())
+        layer.bias.fill_(0.75)
+    x = torch.randint(-16, 17, (m, k)).to(torch.bfloat16)
+    with f8.autocast(recipe=DelayedScaling()):
+        y = layer(x)
+    exact = x.double() @ layer.weight.detach().double().T + 0.75
+    torch.testing.assert_close(y, exact.float().to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_bias_gradient_is_the_float32_sum_rounded_to_dy_dtype_with_or_without_fp8() -> None:
+    """db is the column sum of dY in float32 rounded once to dY's dtype (docs/semantics.md,
+    section 4), whether the fused cast of dY computes it or, with both gradient GEMMs overridden
+    to high precision, the backward sums dY itself: 256 + 1 = 257 becomes bfloat16's 256 in both,
+    as under ``torch.autocast``."""
+    grads = []
+    for override in ((False, False, False), (False, True, True)):
+        layer = f8.Linear(16, 16)
+        x = torch.randn(3, 16).to(torch.bfloat16).requires_grad_()
+        with f8.autocast(recipe=DelayedScaling(override_linear_precision=override)):
+            y = layer(x)
+        g = torch.zeros(3, 16, dtype=torch.bfloat16)
+        g[0], g[1] = 256.0, 1.0
+        y.backward(g)
+        grads.append(layer.bias.grad)
+    want = float(torch.tensor(257.0).to(torch.bfloat16))
+    assert want == 256.0
+    for grad in grads:
+        assert grad.dtype == torch.float32
+        assert grad.tolist() == [want] * 16
