@@ -174,3 +174,36 @@ def test_one_recipe_on_two_devices_updates_each_on_its_own() -> None:
     assert cpu_state.scale.item() == _expected_scale(4.0)
     assert cpu_state.amax_history[:, 0].tolist() == [0.0, 4.0]
     assert meta_state.scale.device.type == "meta"
+
+
+def test_calibration_without_fp8_ignores_nan_in_the_recorded_amax() -> None:
+    """Kills Q03 (quantizer.py `FP8Run.record_forward`: `max |x|` with NaN propagating instead of
+    `nan_ignoring_amax`). SPEC 2: the amax recorded is max|x| with NaN elements ignored; SPEC 9:
+    NaN never enters the amax, never yields a NaN scale. The calibration-only path (enabled=False,
+    calibrating=True) records without casting, so it needs its own check."""
+    torch.manual_seed(0)
+    layer = f8.Linear(16, 16)
+    x = torch.full((2, 16), 0.5)
+    x[0, 1], x[1, 2] = -3.0, float("nan")
+    recipe = DelayedScaling(amax_history_len=2)
+    with torch.no_grad(), f8.autocast(enabled=False, calibrating=True, recipe=recipe):
+        layer(x)
+    fwd = layer.fp8_meta.forward
+    expected = float(np.nanmax(np.abs(x.numpy())))  # 3.0
+    assert fwd.amax_history[-1, INPUT].item() == expected
+    assert fwd.scale[INPUT].item() == np.float32(E4M3_MAX) / np.float32(expected)
+    assert torch.isfinite(fwd.scale).all()
+
+
+def test_calibration_without_fp8_keeps_the_max_of_several_calls_spec_13() -> None:
+    """Kills B04 (buffers.py `record_amax`: the staging entry overwritten instead of
+    max-accumulated). SPEC 10.13: amaxes 3, 5, 2 into one slot before one update -> one
+    history entry 5, scale 89.6. The calibration-only path records without the casting kernel."""
+    layer = f8.Linear(16, 16)
+    recipe = DelayedScaling(amax_history_len=2)
+    with torch.no_grad(), f8.autocast(enabled=False, calibrating=True, recipe=recipe):
+        for amax in (3.0, 5.0, 2.0):
+            layer(torch.full((2, 16), amax))
+    fwd = layer.fp8_meta.forward
+    assert fwd.amax_history[:, INPUT].tolist() == [0.0, 5.0]
+    assert fwd.scale[INPUT].item() == np.float32(448.0) / np.float32(5.0)  # 89.6

@@ -443,3 +443,34 @@ def test_per_rank_state_dict_helpers_check_their_arguments() -> None:
     keyed = f8.per_rank_fp8_state_dict(sd, model, rank=3)
     assert "fp8_meta.forward.scale.rank3" in keyed
     assert f8.from_per_rank_fp8_state_dict(keyed, model, rank=3).keys() == sd.keys()
+
+
+def test_init_fp8_state_sizes_every_module() -> None:
+    """Kills C02 (checkpoint.py `init_fp8_state` binds only the first FP8 module). Every state
+    gets the recipe's history length and records it (needed before a DCP load)."""
+    model = torch.nn.Sequential(f8.Linear(16, 16), torch.nn.ReLU(), f8.LayerNormMLP(16, 32))
+    recipe = DelayedScaling(amax_history_len=7)
+    f8.init_fp8_state(model, recipe)
+    metas = [m for m in model.modules() if isinstance(m, f8.FP8Meta)]
+    assert len(metas) == 2
+    for meta in metas:
+        for state in (meta.forward, meta.backward):
+            assert state.amax_history.shape[0] == 7
+            assert state.recipe_data == recipe.to_dict()
+
+
+def test_resizing_a_state_that_only_staged_does_not_warn() -> None:
+    """Kills B08 (buffers.py `is_pristine` counting the staging row). A state that has only
+    recorded (a no_grad forward under another history length) loses nothing when resized, so
+    binding it to the training recipe must not warn (SPEC 6 warns only when entries are dropped
+    or padded)."""
+    layer = f8.Linear(16, 16)
+    with torch.no_grad(), f8.autocast(recipe=DelayedScaling(amax_history_len=8)):
+        layer(torch.randn(2, 16))
+    assert layer.fp8_meta.forward.amax_history[0].any()  # staged, not rolled
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with f8.autocast(recipe=DelayedScaling(amax_history_len=4)):
+            y = layer(torch.randn(2, 16))
+    y.sum().backward()
+    assert layer.fp8_meta.forward.amax_history.shape[0] == 4

@@ -603,3 +603,31 @@ def test_a_wrong_input_width_gets_one_message_with_and_without_fp8(make, width: 
             pytest.raises(ValueError, match=rf"\({width}\), got \(4, 31\)"),
         ):
             layer(torch.randn(4, 31))
+
+
+def test_first_microbatch_caches_each_mlp_weight_in_its_own_gemm_slot():
+    """Kills L12 (linear.py `cached_fp8_weights`: every cached weight quantized into GEMM 0's
+    WEIGHT slot). SPEC 3: forward slots are 3g + WEIGHT; fc2's weight belongs to slot 4. The FP8
+    weights reused on the next microbatch must also be fc2's weight at fc2's scale."""
+    torch.manual_seed(0)
+    mlp = f8.LayerNormMLP(32, 64)
+    with torch.no_grad():
+        mlp.fc2_weight.mul_(10)  # amaxes of the two weights far apart
+    recipe = DelayedScaling(amax_history_len=4)
+    w1_amax = mlp.fc1_weight.detach().abs().max().item()
+    w2_amax = mlp.fc2_weight.detach().abs().max().item()
+    x = torch.randn(4, 32)
+    with f8.autocast(recipe=recipe):
+        y = mlp(x, is_first_microbatch=True)
+    y.sum().backward()
+    fwd = mlp.fp8_meta.forward
+    w1, w2 = f8.FwdSlot.WEIGHT, 3 + f8.FwdSlot.WEIGHT
+    assert fwd.amax_history[-1, w1].item() == w1_amax
+    assert fwd.amax_history[-1, w2].item() == w2_amax
+    torch.testing.assert_close(fwd.scale[w2], torch.tensor(E4M3.max / w2_amax), rtol=0, atol=0)
+    # the second microbatch reuses them: the cache holds each weight quantized at its own scale
+    cached = mlp._weight_cache
+    for q, w in ((cached[0], mlp.fc1_weight), (cached[1], mlp.fc2_weight)):
+        assert q is not None and q.data.shape == w.shape
+        expected = fp8_round(w.detach().double().numpy(), E4M3)  # step 1: scale 1
+        torch.testing.assert_close(q.data.double(), torch.from_numpy(expected), rtol=0, atol=0)

@@ -259,3 +259,32 @@ def test_an_event_while_another_thread_runs_one_of_the_same_registry_is_refused(
         other.join()
     with f8.autocast(recipe=recipe):  # alone again: events run
         model(x)
+
+
+def test_a_member_reloaded_with_another_history_length_keeps_updating() -> None:
+    """Kills PO1 (pool.py `_intact` no longer checks that each member still views its columns).
+    A module that already trained (a pool member) loads FP8 state with another L into its own
+    fp8_meta: same registry, same members, new buffers. The next event must rebuild the pool and
+    update the module's state (SPEC 3 worked rule; SPEC 6: resized, newest entries kept)."""
+    recipe = DelayedScaling(amax_history_len=4)
+    layer = f8.Linear(16, 16)
+
+    def step(amax: float) -> None:
+        with f8.autocast(recipe=recipe):
+            y = layer(torch.full((2, 16), amax))
+        y.sum().backward()
+
+    step(1.0)
+    step(2.0)
+    other = f8.Linear(16, 16)
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=6)):
+        other(torch.ones(2, 16)).sum().backward()  # history [0, 0, 0, 0, 0, 1], count 1
+    meta_sd = {k[len("fp8_meta.") :]: v for k, v in other.state_dict().items() if "fp8_meta." in k}
+    layer.fp8_meta.load_state_dict(meta_sd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the resize from 6 to 4 warns
+        step(3.0)
+    fwd = layer.fp8_meta.forward
+    assert fwd.amax_history[:, f8.FwdSlot.INPUT].tolist() == [0.0, 0.0, 1.0, 3.0]
+    assert fwd.update_count.tolist() == [2, 2, 0]
+    assert fwd.scale[f8.FwdSlot.INPUT].item() == torch.tensor(448.0 / 3.0).item()

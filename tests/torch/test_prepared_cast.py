@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from fp8kit.formats import E4M3, E5M2
 from fp8kit.recipe import DelayedScaling
 from fp8kit.torch import kernels
 from fp8kit.torch.kernels import dispatch
+from tests.reference import fp8_round
 from tests.torch.test_kernels import _matrix
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -267,3 +269,29 @@ def test_prepared_triton_update_takes_the_torch_kernels_inside_a_trace(
     assert failing.launches == 0
     for got, expected in zip(tensors, want, strict=True):
         assert torch.equal(got, expected)
+
+
+def _current_qdq(t: torch.Tensor) -> np.ndarray:
+    """Float64 fake-quantization with current scaling (fmax / max|t|), float32 scale."""
+    t32 = t.detach().float().numpy()
+    s = np.float32(E4M3.max) / np.float32(np.abs(t32).max())
+    return fp8_round((t32 * s).astype(np.float64), E4M3) / np.float64(s)
+
+
+def test_a_cast_prepared_under_unity_first_step_is_not_reused_under_current():
+    """Kills S03 (slot_cast.py: the prepared-cast key leaves out `first_step_current`). A slot's
+    cast prepared by an evaluation under first_step_scaling="unity" (same history length, so
+    the buffers and prepared casts stay) must not serve a training call under "current": SPEC 1,
+    a slot without history is quantized with fmax / its own amax on that first step."""
+    torch.manual_seed(0)
+    layer = f8.Linear(32, 16, bias=False)
+    unity = DelayedScaling(amax_history_len=4)
+    current = DelayedScaling(amax_history_len=4, first_step_scaling="current")
+    f8.init_fp8_state(layer, unity)
+    x = torch.randn(8, 32) * 1000  # scale 1 would saturate most of x at 448
+    with torch.no_grad(), f8.autocast(recipe=unity):
+        layer(x)  # prepares the casts; no update event, the slots keep no history
+    with f8.autocast(recipe=current):
+        y = layer(x)
+    ref = _current_qdq(x) @ _current_qdq(layer.weight).T
+    np.testing.assert_allclose(y.detach().double().numpy(), ref, rtol=1e-5, atol=1e-3)

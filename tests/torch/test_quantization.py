@@ -12,7 +12,7 @@ import torch
 
 import fp8kit.torch as f8
 from fp8kit.formats import E4M3, E5M2, FP8Format
-from tests.reference import fp8_round, quantize_reference
+from tests.reference import current_scale_reference, fp8_round, quantize_reference
 
 FORMATS = [(torch.float8_e4m3fn, E4M3), (torch.float8_e5m2, E5M2)]
 
@@ -200,3 +200,31 @@ def test_tensor_scale_is_not_read_on_the_host() -> None:
     """A tensor scale stays on its device: its value is the caller's responsibility."""
     q = f8.quantize(torch.ones(2), torch.tensor(0.0), torch.float8_e4m3fn)
     assert q.scale_inv.item() == math.inf  # not checked (documented), unlike a float scale
+
+
+def test_quantize_current_power_2_scale_is_spec_worked_number_9():
+    """Kills Z02 (quantization.py `current_scale`: power_2_scale dropped). SPEC 10.9: amax 3 ->
+    128; amax 0.001 -> 262144 (SPEC 1, Float8CurrentScaling's power_2_scale)."""
+    for amax, expected in ((3.0, 128.0), (0.001, 262144.0)):
+        x = torch.tensor([amax, -amax / 2, 0.0], dtype=torch.float32)
+        q = f8.quantize_current(x, torch.float8_e4m3fn, power_2_scale=True)
+        assert current_scale_reference(np.float32(amax), E4M3.max, True) == expected
+        assert q.scale_inv.item() == 1.0 / expected
+        want = fp8_round(x.double().numpy() * expected, E4M3)
+        np.testing.assert_array_equal(q.data.double().numpy(), want)
+
+
+def test_quantize_current_ignores_nan_in_its_amax():
+    """Kills Z03 (quantization.py `nan_ignoring_amax`: `x.abs().max()` on the CPU path, NaN
+    propagating). SPEC 2 / 9: NaN elements never enter the amax; the scale stays finite and
+    the other elements are cast with fmax / max|finite x|."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.tensor([1.0, float("nan"), -3.0, 0.5], dtype=dtype)
+        q = f8.quantize_current(x, torch.float8_e4m3fn)
+        assert q.amax.item() == 3.0
+        scale = np.float32(E4M3.max) / np.float32(3.0)
+        assert q.scale_inv.item() == np.float32(1.0) / scale
+        data = q.data.float().numpy()
+        assert np.isnan(data[1])
+        want = fp8_round(np.array([1.0, -3.0, 0.5], np.float32) * scale, E4M3)
+        np.testing.assert_array_equal(data[[0, 2, 3]], want)

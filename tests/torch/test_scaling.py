@@ -464,3 +464,35 @@ def test_a_callable_scale_of_zero_or_below_keeps_the_old_scale(result: str) -> N
     hist = torch.tensor([[4.0], [0.0]])
     h, s, c = update_scaling_state(hist, torch.tensor([3.0]), torch.tensor([0]), recipe, 448.0)
     assert s.tolist() == [3.0] and c.tolist() == [1] and h[:, 0].tolist() == [0.0, 4.0]
+
+
+def test_callable_algorithm_keeps_scale_inv_the_reciprocal_of_scale() -> None:
+    """Kills AP1 (apply.py `_rule_update` writes scale into scale_inv). SPEC 2: scale_inv =
+    1/scale (float32, correctly rounded); the state's scale_inv buffer must follow every update,
+    the callable algorithms' torch rule included."""
+    recipe = DelayedScaling(amax_history_len=3, amax_compute_algo=lambda h: h.amax(dim=0))
+    layer = f8.Linear(16, 16)
+    for amax in (3.0, 5.0):
+        with f8.autocast(recipe=recipe):
+            y = layer(torch.full((2, 16), amax))
+        y.sum().backward()
+    for state in (layer.fp8_meta.forward, layer.fp8_meta.backward):
+        assert state.update_count.max().item() == 2
+        np.testing.assert_array_equal(
+            state.scale_inv.numpy(), (np.float32(1.0) / state.scale.numpy()).astype(np.float32)
+        )
+
+
+def test_callable_algorithm_counts_an_infinite_amax() -> None:
+    """Kills AP2 (apply.py `_rule_update` no longer adds to nonfinite_count). SPEC 9: an inf
+    amax freezes the slot's scale; fp8kit counts such events per slot (nonfinite_count) and
+    warns once, for callable algorithms as for the built-in ones."""
+    recipe = DelayedScaling(amax_history_len=2, amax_compute_algo=lambda h: h.amax(dim=0))
+    layer = f8.Linear(16, 16)
+    x = torch.ones(2, 16)
+    x[0, 3] = float("inf")
+    with pytest.warns(UserWarning, match="infinite amax"), f8.autocast(recipe=recipe):
+        layer(x)
+    fwd = layer.fp8_meta.forward
+    assert fwd.nonfinite_count.tolist() == [1, 0, 0]
+    assert fwd.scale[INPUT].item() == 1.0  # kept: the window holds inf
