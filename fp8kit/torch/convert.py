@@ -210,8 +210,10 @@ def convert_model(
             ``torch.nn.MultiheadAttention`` are replaced: subclasses may rely on their own forward
             and are left (an attention's ``out_proj`` runs in FP8 inside the FP8 attention).
             Modules whose weights are not float32, bfloat16 or float16 are left too.
-        module_filter: ``(module, fully_qualified_name) -> bool``; a Linear is converted only if it
-            returns True (the torchao convention).
+        module_filter: ``(module, fully_qualified_name) -> bool``; a module is converted only if
+            it returns True (torchao's convention). Unlike torchao's ``module_filter_fn``, which
+            sees ``nn.Linear`` only, it is also called with each ``nn.MultiheadAttention``, so a
+            filter that reads ``in_features`` checks the type first.
         keep_high_precision: qualified module names to leave in high precision, as ``fnmatch``
             patterns (``"lm_head"``, ``"*.classifier"``, ``"blocks.0.*"``), one string or a
             list/tuple/set of them: the usual choice for the output layer, whose logits feed the
