@@ -503,3 +503,50 @@ def test_differentiating_the_gradients_raises(operands) -> None:
         jax.grad(penalty)(w)
     with pytest.raises(TypeError, match="differentiate twice through an FP8 GEMM"):
         jax.jvp(lambda w: jax.grad(loss, argnums=1)(x, w), (w,), (jnp.ones_like(w),))
+
+
+@pytest.mark.parametrize(
+    "contracting", [((0, 1), (1, 0)), ((1, 0), (0, 1))], ids=["rhs unsorted", "lhs unsorted"]
+)
+def test_contracting_axes_paired_out_of_order_give_the_right_gradients(rng, contracting) -> None:
+    """Two contracted axes of equal size paired crosswise (lhs axis 0 with rhs axis 1): dgrad
+    and wgrad must put each gradient axis back where its operand had it. A transposed layout
+    has the right shape here, so only the values can tell."""
+    x = random_fp8_friendly(rng, (4, 4, 6))  # (a, b, m)
+    w = random_fp8_friendly(rng, (4, 4, 5), 0.1)  # (p, q, n)
+    g = random_fp8_friendly(rng, (6, 5), 1e-3)  # (m, n)
+    dims = (contracting, ((), ()))
+    sx, sw, sg = 8.0, 64.0, 2.0**14
+    meta = _meta(f8.DelayedScaling(amax_history_len=2), (sx, sw, 1.0), (sg, 1.0))
+
+    def loss(x, w, meta):
+        y = f8.dot_general(x, w, dims, meta)
+        return (y * g).sum(), y
+
+    (_, y), (dx, dw, _) = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, meta)
+    xq = qdq_reference(x, F32(sx), E4M3)[0]
+    wq = qdq_reference(w, F32(sw), E4M3)[0]
+    gq = qdq_reference(g, F32(sg), E5M2)[0]
+    # both pairings contract x's axis 0 with w's axis 1 and x's axis 1 with w's axis 0
+    close(y, np.einsum("abm,ban->mn", xq, wq))
+    close(dx, np.einsum("mn,ban->abm", gq, wq))
+    close(dw, np.einsum("abm,mn->ban", xq, gq))
+
+
+def test_a_meta_in_a_later_argnum_is_tied_to_the_loss(rng) -> None:
+    """value_and_grad ties the chain ends of every differentiated argument, not only the
+    first: a teacher pass (output under stop_gradient) on a meta passed as the second argument
+    still records its forward amaxes as one chain (docs/decisions/0264)."""
+    x = random_fp8_friendly(rng, (8, 16))
+    w = random_fp8_friendly(rng, (16, 8), 0.1)
+    teacher = f8.init_meta(1, f8.DelayedScaling(amax_history_len=2))
+
+    def loss(w, meta):
+        target = jax.lax.stop_gradient(f8.dot_general(x, w, DIMS, meta))
+        return jnp.sum(w**2) + 0.0 * jnp.sum(target)
+
+    _, (dw, _), (none, obs) = f8.value_and_grad(loss, argnums=(0, 1))(w, teacher)
+    assert none is None
+    np.testing.assert_array_equal(np.asarray(dw), 2 * w)
+    np.testing.assert_array_equal(np.asarray(obs.forward), [np.abs(x).max(), np.abs(w).max(), 0.0])
+    assert float(obs.chains) == 1.0

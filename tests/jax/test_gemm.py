@@ -181,3 +181,13 @@ def test_fp8_matmul_matches_float64_with_bias_and_relu(rng) -> None:
     np.testing.assert_array_less(err, 2.0**-8 * (bound / 2048 + np.abs(bias)) + 1e-30)
     f32 = jax.jit(lambda a, b: f8.fp8_matmul(a, b))(a, b)
     np.testing.assert_allclose(np.asarray(f32), exact / 2048, rtol=1e-6, atol=1e-6)
+
+
+def test_padding_ties_pad_the_last_contracted_axis(rng) -> None:
+    # 3 x 3 = 9: padding either 3 to 16 gives 48, so the last contracted axis is padded
+    a, b = random_fp8(rng, (2, 3, 3), E4M3), random_fp8(rng, (3, 3, 4), E4M3)
+    pa, pb = pad_contraction(jnp.asarray(a), jnp.asarray(b), ((1, 2), (0, 1)))
+    assert pa.shape == (2, 3, GEMM_ALIGNMENT) and pb.shape == (3, GEMM_ALIGNMENT, 4)
+    np.testing.assert_array_equal(bits(pa)[:, :, :3], bits(a))
+    np.testing.assert_array_equal(bits(pb)[:, :3], bits(b))
+    assert not bits(pa)[:, :, 3:].any() and not bits(pb)[:, 3:].any()

@@ -581,3 +581,78 @@ def test_a_jitted_init_and_apply_follow_the_autocast_around_each_call() -> None:
     apply(v, x)  # traced outside any autocast: the state's recipe
     with pytest.raises(ValueError, match=r"runs with recipe .* but"), f8.autocast(recipe=other):
         apply(v, x)
+
+
+class _SharedStep(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return jnp.tanh(Dense(16, name="shared")(h)) * 2.0, None
+
+
+class _WeightSharedScan(nn.Module):
+    """One Dense applied three times by nn.scan: params broadcast, FP8 state carried."""
+
+    @nn.compact
+    def __call__(self, x):
+        scan = nn.scan(
+            _SharedStep,
+            variable_broadcast="params",
+            variable_carry="fp8_meta",
+            split_rngs={"params": False},
+            length=3,
+        )
+        return scan(name="scan")(x, None)[0]
+
+
+class _WeightSharedLoop(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        step = _SharedStep(name="scan")
+        for _ in range(3):
+            x = step(x, None)[0]
+        return x
+
+
+def test_a_weight_shared_scan_carries_the_chain_in_the_collection(rng) -> None:
+    """The carried collection passes each iteration's returned meta to the next, so the three
+    calls form one chain (max, chains == 1), exactly as the same layer called three times in a
+    Python loop; without it JAX sums the iterations' observations and update refuses them."""
+    x = jnp.asarray(random_fp8_friendly(rng, (4, 16)))
+    # nn.scan cannot create a carried collection at init: the unrolled loop's variables have
+    # the same tree (params broadcast, state carried, both without a layer axis)
+    v = init(_WeightSharedLoop(), x)
+
+    def observe(model):
+        def loss(v):
+            y, _ = model.apply(v, x, mutable=["fp8_meta"])
+            return jnp.mean(y**2)
+
+        return jax.jit(f8.value_and_grad(loss))(v)
+
+    _, _, obs = observe(_WeightSharedScan())
+    _, _, obs_loop = observe(_WeightSharedLoop())
+    got = jax.tree.leaves(obs, is_leaf=lambda o: isinstance(o, f8.Observations))[0]
+    want = jax.tree.leaves(obs_loop, is_leaf=lambda o: isinstance(o, f8.Observations))[0]
+    assert float(got.chains) == float(want.chains) == 1.0
+    np.testing.assert_array_equal(np.asarray(got.forward), np.asarray(want.forward))
+    np.testing.assert_array_equal(np.asarray(got.backward), np.asarray(want.backward))
+    assert float(got.forward[0]) >= float(jnp.max(jnp.abs(x)))
+    f8.update(v, obs)  # one chain: accepted
+
+
+@pytest.mark.parametrize("where", ["field", "autocast"])
+def test_a_reused_layer_with_reduction_axes_set_records_the_max(rng, where: str) -> None:
+    """Reduction axes given (None: every axis the amax varies over) and equal to those of the
+    state the layer created: two applies in one loss are one chain, as without the setting."""
+    x = jnp.asarray(random_fp8_friendly(rng, (4, 8)))
+    axes = {"amax_reduction_axes": None}
+    with f8.autocast(recipe=RECIPE, **(axes if where == "autocast" else {})):
+        d = Dense(8, **(axes if where == "field" else {}))
+        v = jax.jit(d.init)(jax.random.key(1), x)
+    loss = lambda v: jnp.sum(d.apply(v, x)) + jnp.sum(d.apply(v, 5 * x))  # noqa: E731
+    _, _, obs = jax.jit(f8.value_and_grad(loss))(v)
+    meta_obs = obs["fp8_meta"]["meta"]
+    assert float(meta_obs.chains) == 1.0
+    assert float(meta_obs.forward[0]) == float(jnp.max(jnp.abs(5 * x)))
+    assert float(meta_obs.backward[0]) == 1.0  # dY of each call is ones: max 1, not a sum 2
+    f8.update(v, obs)  # no SummedObservationsError

@@ -654,3 +654,56 @@ def test_matrix_vector_gemms_round_to_nearest_even_under_xla(rng, jit_compile: b
     one_row = dense(2, kernel, np.zeros(2, np.float32), f8.DelayedScaling())
     call = tf.function(lambda t: one_row(t, training=False), jit_compile=jit_compile)
     assert call(tf.ones((1, 2))).numpy()[0, 0] == 0.8125
+
+
+@pytest.mark.parametrize(
+    "equation,out_shape,x_shape",
+    [("...ab,abc->...c", 6, (2, 3, 4, 8)), ("...a,abc->...bc", (4, 6), (2, 3, 8))],
+    ids=["two axes in, one out", "one axis in, two out"],
+)
+def test_an_ellipsis_with_other_trailing_ranks_in_and_out(rng, equation, out_shape, x_shape):
+    """The input and the output keep different numbers of axes beside the ellipsis: dY is
+    flattened by the output's trailing axes, dX unflattened to the input's shape."""
+    layer = f8.EinsumDense(equation, out_shape, recipe=f8.DelayedScaling())
+    x = random_fp8_friendly(rng, x_shape)
+    y_shape = tuple(layer(x).shape)
+    w = layer.kernel.numpy()
+    g = random_fp8_friendly(rng, y_shape, 0.1)
+    with tf.GradientTape() as tape:
+        xt = tf.constant(x)
+        tape.watch(xt)
+        y = layer(xt, training=True)
+        loss = tf.reduce_sum(y * g)
+    dx, dk = tape.gradient(loss, [xt, layer.kernel])
+    lhs, out = equation.replace("...", "Z").split("->")
+    xs, ws = lhs.split(",")
+    xr = x.reshape(-1, *x_shape[len(x_shape) - (len(xs) - 1) :])
+    gr = g.reshape(-1, *y_shape[len(y_shape) - (len(out) - 1) :])
+    xq, wq, gq = qdq(xr, 1.0, E4M3), qdq(w, 1.0, E4M3), qdq(gr, 1.0, E5M2)
+    close(y.numpy(), np.einsum(f"{xs},{ws}->{out}", xq, wq).reshape(y_shape))
+    close(dx.numpy(), np.einsum(f"{out},{ws}->{xs}", gq, wq).reshape(x_shape))
+    close(dk.numpy(), np.einsum(f"{xs},{out}->{ws}", xq, gq))
+    np.testing.assert_array_equal(layer.fp8_state.bwd_count.numpy(), [1, 0])
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_training_left_out_runs_as_inference_also_through_the_backward(rng, traced) -> None:
+    """docs/keras.md: with ``training`` unset Keras runs the layer as inference, so its FP8
+    state never updates, also when a tape differentiates the call (it warns, and its gradients
+    use the current scales)."""
+    layer = dense(4, random_fp8_friendly(rng, (8, 4)), np.zeros(4, np.float32), f8.DelayedScaling())
+    x = tf.constant(random_fp8_friendly(rng, (2, 8)))
+    before = state_arrays(layer)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(layer(x))
+        return tape.gradient(loss, [x, layer.kernel])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "called with training unset"
+        dx, dk = (tf.function(step) if traced else step)(x)
+    assert dx is not None and dk is not None
+    for a, b in zip(before, state_arrays(layer), strict=True):
+        np.testing.assert_array_equal(a, b)

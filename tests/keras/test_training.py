@@ -436,3 +436,18 @@ def test_recompute_grad_trains_bit_for_bit_like_the_plain_step(rng) -> None:
 
     for a, b in zip(train(False), train(True), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_convert_model_copies_trained_biases(rng) -> None:
+    inputs = keras.Input((5, 12))
+    h = keras.layers.Dense(16, name="d")(inputs)
+    outputs = keras.layers.EinsumDense("abc,cd->abd", (5, 8), bias_axes="d", name="e")(h)
+    model = keras.Model(inputs, outputs)
+    for layer in model.layers[1:]:  # biases as after training: not Keras's zero init
+        layer.bias.assign(random_fp8_friendly(rng, tuple(layer.bias.shape)))
+    converted = f8.convert_model(model, recipe=RECIPE)
+    for name in ("d", "e"):
+        old, new = model.get_layer(name), converted.get_layer(name)
+        assert isinstance(new, (f8.Dense, f8.EinsumDense)) and new.recipe == RECIPE
+        np.testing.assert_array_equal(new.kernel.numpy(), old.kernel.numpy())
+        np.testing.assert_array_equal(new.bias.numpy(), old.bias.numpy())
