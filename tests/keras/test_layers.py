@@ -54,6 +54,23 @@ def test_dense_gemm_and_gradients_match_the_float64_reference(rng) -> None:
     np.testing.assert_array_equal(count_b, [1, 0])
 
 
+def _einsum_step(
+    rng: np.random.Generator, layer: f8.EinsumDense, x_shape: tuple[int, ...]
+) -> tuple:
+    """One taped training call of ``layer`` on a random FP8-friendly input: ``(x, kernel, g, y,
+    dx, dkernel)`` as NumPy arrays / tensors, with the loss ``sum(y * g)``."""
+    x = random_fp8_friendly(rng, x_shape)
+    g = random_fp8_friendly(rng, tuple(layer(x).shape), 0.1)  # the first call builds the layer
+    w = layer.kernel.numpy()
+    with tf.GradientTape() as tape:
+        xt = tf.constant(x)
+        tape.watch(xt)
+        y = layer(xt, training=True)
+        loss = tf.reduce_sum(y * g)
+    dx, dk = tape.gradient(loss, [xt, layer.kernel])
+    return x, w, g, y, dx, dk
+
+
 @pytest.mark.parametrize(
     "equation,out_shape,bias_axes,x_shape",
     [("abc,cd->abd", (None, 6), "d", (2, 3, 8)), ("...b,bc->...c", 6, None, (2, 3, 8)),
@@ -61,16 +78,8 @@ def test_dense_gemm_and_gradients_match_the_float64_reference(rng) -> None:
 )  # fmt: skip
 def test_einsum_dense_matches_the_reference(rng, equation, out_shape, bias_axes, x_shape) -> None:
     layer = f8.EinsumDense(equation, out_shape, bias_axes=bias_axes, recipe=f8.DelayedScaling())
-    x = random_fp8_friendly(rng, x_shape)
-    y_shape = tuple(layer(x).shape)
-    w = layer.kernel.numpy()
-    g = random_fp8_friendly(rng, y_shape, 0.1)
-    with tf.GradientTape() as tape:
-        xt = tf.constant(x)
-        tape.watch(xt)
-        y = layer(xt, training=True)
-        loss = tf.reduce_sum(y * g)
-    dx, dk = tape.gradient(loss, [xt, layer.kernel])
+    x, w, g, y, dx, dk = _einsum_step(rng, layer, x_shape)
+    y_shape = g.shape
     eq = equation.replace("...", "Z") if "..." in equation else equation
     xr, yr = (
         (x.reshape(-1, x_shape[-1]), g.reshape(-1, g.shape[-1])) if "..." in equation else (x, g)
@@ -665,16 +674,8 @@ def test_an_ellipsis_with_other_trailing_ranks_in_and_out(rng, equation, out_sha
     """The input and the output keep different numbers of axes beside the ellipsis: dY is
     flattened by the output's trailing axes, dX unflattened to the input's shape."""
     layer = f8.EinsumDense(equation, out_shape, recipe=f8.DelayedScaling())
-    x = random_fp8_friendly(rng, x_shape)
-    y_shape = tuple(layer(x).shape)
-    w = layer.kernel.numpy()
-    g = random_fp8_friendly(rng, y_shape, 0.1)
-    with tf.GradientTape() as tape:
-        xt = tf.constant(x)
-        tape.watch(xt)
-        y = layer(xt, training=True)
-        loss = tf.reduce_sum(y * g)
-    dx, dk = tape.gradient(loss, [xt, layer.kernel])
+    x, w, g, y, dx, dk = _einsum_step(rng, layer, x_shape)
+    y_shape = g.shape
     lhs, out = equation.replace("...", "Z").split("->")
     xs, ws = lhs.split(",")
     xr = x.reshape(-1, *x_shape[len(x_shape) - (len(xs) - 1) :])

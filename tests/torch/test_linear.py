@@ -487,13 +487,20 @@ def test_weight_cache_not_needed_when_no_gemm_uses_the_fp8_weight() -> None:
     assert layer.fp8_meta.forward.amax_history[:, WEIGHT].abs().sum().item() == 0
 
 
-def test_unaligned_bias_is_added_before_the_one_rounding_to_bfloat16():
-    """Kills L01 (linear.py `_gemm`: the padded GEMM rounds to bfloat16 before a float32 bias is
-    added, then rounds again). SPEC 4: the bias is added in high precision, the sum rounded once.
-    Integers |x| <= 16 and |w| <= 8 are exact in E4M3 at the first step's scale 1, and their
-    products and sums are exact in float32, so the reference is exact."""
-    torch.manual_seed(0)
-    m, k, n = 3, 20, 24  # not multiples of 16: the padded path, bias not fusable (float32 bias)
+@pytest.mark.parametrize(
+    "backend,m,k,n",
+    [("dequant", 3, 20, 24), ("scaled_mm", 16, 32, 32)],
+    ids=["unaligned", "aligned scaled_mm"],
+)
+def test_a_float32_bias_is_added_before_the_one_rounding_to_bfloat16(
+    monkeypatch: pytest.MonkeyPatch, backend: str, m: int, k: int, n: int
+) -> None:
+    """SPEC 4: the bias is added in high precision and the sum rounded once, on the padded path
+    for sizes that are not multiples of 16 and in the ``scaled_mm`` backend (the path CUDA
+    takes), neither of which can fuse a float32 bias into a bfloat16 GEMM. Integers |x| <= 16
+    and |w| <= 8 are exact in E4M3 at the first step's scale 1, and their products and sums
+    are exact in float32, so the reference is exact."""
+    monkeypatch.setattr(gemm, "_cpu_backend", [backend])
     layer = f8.Linear(k, n)
     with torch.no_grad():
         layer.weight.copy_(torch.randint(-8, 9, (n, k)).float())
@@ -534,24 +541,6 @@ def test_a_frozen_weight_needs_no_fp8_input_for_wgrad():
     fp8_saved = [shape for dtype, shape in saved if dtype.itemsize == 1]
     assert fp8_saved == [(32, 16)]  # W^T for dgrad only, no (32, 8) x^T
     assert x.grad is not None
-
-
-def test_aligned_bias_under_the_scaled_mm_backend_is_rounded_once(monkeypatch):
-    """Kills G04 (gemm.py `fp8_gemm_bias`: the GEMM writes bfloat16 and a float32 bias is added
-    after that rounding). Same exact-integer construction as the unaligned test above, with
-    aligned sizes and the CPU `scaled_mm` backend (the path CUDA takes)."""
-    monkeypatch.setattr(gemm, "_cpu_backend", ["scaled_mm"])
-    torch.manual_seed(0)
-    m, k, n = 16, 32, 32
-    layer = f8.Linear(k, n)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randint(-8, 9, (n, k)).float())
-        layer.bias.fill_(0.75)
-    x = torch.randint(-16, 17, (m, k)).to(torch.bfloat16)
-    with f8.autocast(recipe=DelayedScaling()):
-        y = layer(x)
-    exact = x.double() @ layer.weight.detach().double().T + 0.75
-    torch.testing.assert_close(y, exact.float().to(torch.bfloat16), rtol=0, atol=0)
 
 
 def test_bias_gradient_is_the_float32_sum_rounded_to_dy_dtype_with_or_without_fp8() -> None:
