@@ -137,17 +137,19 @@ class Fp8State:
         return 5 * self.num_gemms
 
     def read(self) -> tuple[Any, Any, Any, Any]:
-        """Current ``(fwd_scale, fwd_count, bwd_scale, bwd_count)`` as tensors.
+        """Current ``(fwd_scale, fwd_count, bwd_scale, bwd_count)`` as tensors: copies, not the
+        variables.
 
-        The backward pair are copies, not the variables: a call's backward quantizes with the
-        scales current at its forward even when another call's update event has assigned the
-        variables in between (eager TensorFlow would otherwise read the variable at backward
-        time, and a torch tensor would see the in-place assign). The forward pair is used at
-        once.
+        A call's backward quantizes with the scales current at its forward even when another
+        call's update event has assigned the variables in between (eager TensorFlow would
+        otherwise read the variable at backward time, and a torch tensor would see the in-place
+        assign). In a TensorFlow graph the copies are the reads that the event's writes wait
+        for (:mod:`fp8kit.keras.backends.tf_grad`); ``ops.convert_to_tensor`` would return the
+        variable itself there, read later inside the custom gradient.
         """
         return (
-            ops.convert_to_tensor(self.fwd_scale),
-            ops.convert_to_tensor(self.fwd_count),
+            ops.copy(self.fwd_scale),
+            ops.copy(self.fwd_count),
             ops.copy(self.bwd_scale),
             ops.copy(self.bwd_count),
         )

@@ -35,13 +35,13 @@ __all__ = ["fp8_einsum", "replica_max", "tape_recording"]
 
 
 class _Chain:
-    """The calls of one layer chained to one head: the token of the latest call and the running
-    max of their forward amaxes (tensors of the traced step)."""
+    """The calls of one layer chained to one head: the token of the latest call, the running
+    max of their forward amaxes, and the state each call read (tensors of the traced step)."""
 
-    __slots__ = ("fwd_max", "token")
+    __slots__ = ("fwd_max", "reads", "token")
 
-    def __init__(self, token: tf.Tensor, fwd_max: tf.Tensor) -> None:
-        self.token, self.fwd_max = token, fwd_max
+    def __init__(self, token: tf.Tensor, fwd_max: tf.Tensor, reads: list[tf.Tensor]) -> None:
+        self.token, self.fwd_max, self.reads = token, fwd_max, reads
 
 
 # Per traced graph: {(id(state), id(replica context), taped): the chain later calls join}.
@@ -124,7 +124,8 @@ def fp8_einsum(
             training call whose backward never runs (no tape records it) observes nothing.
         out_dtype: dtype of the result.
     """
-    fwd_scale, fwd_count, bwd_scale, bwd_count = state.read()
+    reads = state.read()
+    fwd_scale, fwd_count, bwd_scale, bwd_count = reads
     # read variables outside the custom gradient: it must see tensors, not variables
     x, w = tf.convert_to_tensor(x), tf.convert_to_tensor(w)
     x_dtype, w_dtype = standardize_dtype(x.dtype), standardize_dtype(w.dtype)
@@ -175,7 +176,13 @@ def fp8_einsum(
                 # backward never runs (its output under tf.stop_gradient; decision 0264)
                 pad = tf.zeros_like(bwd_obs)
                 amaxes = tf.maximum(amaxes, tf.concat([own.fwd_max, pad], axis=0))
-            _observe_in_replica(state, amaxes, plan.recipe)
+            # The event's writes wait for every chained call's reads of the state. The traced
+            # step orders them already, but Grappler's dependency optimizer (no XLA) drops
+            # those edges for paths through tf.custom_gradient's IdentityN, then removes the
+            # IdentityN: a forward could read the scales this event writes (decision 0268).
+            # These edges reach reads made inside observe, which nothing else leads to.
+            with tf.control_dependencies(list(reads) if own is None else own.reads):
+                _observe_in_replica(state, amaxes, plan.recipe)
             return dx, dw, tf.zeros_like(token)
 
         return (y, tf.identity(token), tf.stop_gradient(fwd_obs)), grad
@@ -184,9 +191,10 @@ def fp8_einsum(
     y, token_out, fwd_obs = observed(x, w, token_in)
     if slot is not None:  # the token, and the running max of the chain's forward amaxes
         if chain is None:
-            own = slot[0][slot[1]] = _Chain(token_out, fwd_obs)
+            own = slot[0][slot[1]] = _Chain(token_out, fwd_obs, list(reads))
         else:
             chain.token, chain.fwd_max = token_out, tf.maximum(chain.fwd_max, fwd_obs)
+            chain.reads.extend(reads)
     return y
 
 
@@ -197,13 +205,16 @@ def _first_derivatives_only(
     raises. The gradients come from FP8 copies made in the forward, which no tape records, so
     an outer tape would otherwise see ``dx`` independent of the kernel and silently drop that
     term. ``inputs`` (``x``, ``w``, ``dy``) make every outer tape that watches them record this
-    op (docs/semantics.md section 4)."""
+    op (docs/semantics.md section 4). The results also wait for the inputs: an optimizer step
+    in the same ``tf.function`` then writes the kernel only after this call read it, which
+    Grappler's dependency optimizer would otherwise stop ensuring (decision 0268)."""
 
     @tf.custom_gradient
     def guard(dx: tf.Tensor, dw: tf.Tensor, *inputs: tf.Tensor) -> Any:
         def grad(*_: Any) -> Any:
             raise TypeError(SECOND_DERIVATIVE_ERROR)
 
-        return (tf.identity(dx), tf.identity(dw)), grad
+        with tf.control_dependencies(inputs):
+            return (tf.identity(dx), tf.identity(dw)), grad
 
     return guard(dx, dw, *inputs)
