@@ -269,10 +269,18 @@ def _check_meta(meta: Fp8Meta, gemm: int) -> None:
 
 # The rules are jitted so that an eager (un-jitted) training step compiles two programs instead of
 # one per primitive; inside an outer jax.jit they are simply inlined.
-@partial(jax.jit, static_argnums=0)
+@partial(jax.jit, static_argnums=(0, 5))
 def _fp8_dot_fwd(
-    cfg: _Config, lhs: jax.Array, rhs: jax.Array, bias: jax.Array | None, meta: Fp8Meta
+    cfg: _Config,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    bias: jax.Array | None,
+    meta: Fp8Meta,
+    rhs_differentiated: bool = True,
 ) -> tuple[tuple[jax.Array, Fp8Meta], tuple[Any, ...]]:
+    """The forward GEMM and its residuals. ``rhs_differentiated``: whether wgrad will run; the
+    input is cast for an FP8 wgrad only then (as fp8kit.torch does for a frozen weight), so a
+    slot no GEMM reads keeps history 0."""
     recipe = meta.recipe
     fmt = recipe.fp8_format.forward
     fprop_fp8, dgrad_fp8, wgrad_fp8 = _flags(recipe)
@@ -285,7 +293,7 @@ def _fp8_dot_fwd(
             obs = obs.at[slot].set(amax)
 
     x_q = w_q = None
-    if fprop_fp8 or wgrad_fp8:
+    if fprop_fp8 or (wgrad_fp8 and rhs_differentiated):
         x_q = _quantize_slot(lhs, meta.forward, fwd_slot(g, FwdSlot.INPUT), fmt, recipe)
         record(fwd_slot(g, FwdSlot.INPUT), x_q[2])
     if fprop_fp8 or dgrad_fp8:
@@ -419,7 +427,7 @@ def _fp8_dot_fwd_rule(
     (:func:`_dropped`)."""
     meta_value = _values(meta)
     out, (x_saved, w_saved, obs, bwd_state) = _fp8_dot_fwd(
-        cfg, lhs.value, rhs.value, _values(bias), meta_value
+        cfg, lhs.value, rhs.value, _values(bias), meta_value, rhs.perturbed
     )
     saved = (
         x_saved if rhs.perturbed else _dropped(x_saved),  # wgrad's operand

@@ -26,7 +26,7 @@ from fp8kit.keras.quantization import cast_to_fp8, current_scale, dequantize, na
 from fp8kit.recipe import Float8CurrentScaling, Recipe
 from fp8kit.slots import BwdSlot, FwdSlot
 
-__all__ = ["GemmPlan", "Saved", "backward", "forward", "plan_einsum"]
+__all__ = ["GemmPlan", "Needs", "Saved", "backward", "forward", "plan_einsum"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,11 @@ def _unflatten(t: Any, lead: tuple[Any, ...]) -> Any:
     return ops.reshape(t, (*lead, *t.shape[1:]))
 
 
+Needs = tuple[bool, bool]
+"""Whether a GEMM's backward pass must give ``(dx, dw)``: the input and the kernel are
+differentiated."""
+
+
 class Saved(NamedTuple):
     """What the forward pass keeps for the backward pass.
 
@@ -172,7 +177,13 @@ def _quantize(
 
 
 def forward(
-    plan: GemmPlan, x: Any, w: Any, fwd_scale: Any, fwd_count: Any, out_dtype: str
+    plan: GemmPlan,
+    x: Any,
+    w: Any,
+    fwd_scale: Any,
+    fwd_count: Any,
+    out_dtype: str,
+    needs: Needs = (True, True),
 ) -> tuple[Any, Saved, Any]:
     """``einsum(plan.equation, x, w)`` with FP8 operands.
 
@@ -181,6 +192,9 @@ def forward(
         x: input (high-precision float tensor); w: kernel.
         fwd_scale / fwd_count: float32 ``(3,)`` forward scales and event counts of the layer.
         out_dtype: dtype of the result.
+        needs: whether the backward pass must give ``(dx, dw)``. ``x`` is cast (and its amax
+            recorded) for an FP8 fprop, or for an FP8 wgrad only when ``dw`` is needed, as in
+            fp8kit.torch and fp8kit.jax (a slot never quantized keeps history 0).
 
     Returns:
         ``(y, saved, amaxes)``: ``y`` of ``out_dtype``, the residuals, float32 ``(3,)`` amaxes
@@ -195,7 +209,7 @@ def forward(
     zero = ops.zeros((), "float32")
     x_amax = w_amax = zero
     xq = wq = None
-    if fprop or wgrad:
+    if fprop or (wgrad and needs[1]):
         i = int(FwdSlot.INPUT)
         x_data, x_inv, x_amax = _quantize(x, fwd_scale[i], fwd_count[i], fmt, recipe)
         xq = (x_data, x_inv)
@@ -211,7 +225,7 @@ def forward(
     if plan.flat_rank is not None:
         x_lead = _leading_shape(x_full, plan.flat_rank)
         y = _unflatten(y, x_lead)
-    saved = Saved(x=xq if wgrad else x, w=wq if dgrad else w, x_lead=x_lead)
+    saved = Saved(x=xq if wgrad and xq is not None else x, w=wq if dgrad else w, x_lead=x_lead)
     return ops.cast(y, out_dtype), saved, ops.stack([x_amax, w_amax, zero])
 
 
@@ -223,8 +237,13 @@ def backward(
     bwd_count: Any,
     x_dtype: str,
     w_dtype: str,
+    needs: Needs = (True, True),
 ) -> tuple[Any, Any, Any]:
     """Gradients of :func:`forward` for the output gradient ``dy``.
+
+    ``needs`` is :func:`forward`'s: ``dy`` is cast (and its amax recorded) only for an FP8 GEMM
+    whose gradient is needed. The gradient nobody needs is still returned (in high precision
+    where its FP8 operand was not made), for the frameworks that ask for every input's.
 
     Returns:
         ``(dx, dw, amaxes)``: ``dx`` of ``x_dtype``, ``dw`` of ``w_dtype``, float32 ``(2,)``
@@ -238,7 +257,8 @@ def backward(
         dy = _flatten(dy, len(plan.equation.split("->")[1]) - 1)
     dy32 = ops.cast(dy, "float32")
     dyq = dy32
-    if dgrad or wgrad:
+    cast_dy = (dgrad and needs[0]) or (wgrad and needs[1])
+    if cast_dy:
         i = int(BwdSlot.GRAD_OUTPUT)
         fmt = recipe.fp8_format.backward
         data, inv, dy_amax = _quantize(dy, bwd_scale[i], bwd_count[i], fmt, recipe)

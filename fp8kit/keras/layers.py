@@ -169,6 +169,7 @@ class _Fp8LayerMixin:
             kernel,
             is_training,
             self.compute_dtype,  # type: ignore[attr-defined]
+            self.kernel.trainable,  # type: ignore[attr-defined]
         )
 
     def _fp8_config(self) -> dict[str, Any]:

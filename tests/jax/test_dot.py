@@ -3,6 +3,7 @@ max under reuse, scan, remat; summed observations refused."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from functools import partial
 
@@ -550,3 +551,26 @@ def test_a_meta_in_a_later_argnum_is_tied_to_the_loss(rng) -> None:
     np.testing.assert_array_equal(np.asarray(dw), 2 * w)
     np.testing.assert_array_equal(np.asarray(obs.forward), [np.abs(x).max(), np.abs(w).max(), 0.0])
     assert float(obs.chains) == 1.0
+
+
+@pytest.mark.parametrize("differentiated", [(True, False), (False, True)], ids=["x", "w"])
+@pytest.mark.parametrize("override", list(itertools.product([False, True], repeat=3)))
+def test_only_operands_an_fp8_gemm_reads_are_cast(operands, override, differentiated) -> None:
+    """fp8kit.torch's rule, in every frontend: x is cast for an FP8 fprop, or an FP8 wgrad that
+    runs (the kernel differentiated); W for an FP8 fprop or dgrad; dY for an FP8 dgrad whose dX
+    is needed or an FP8 wgrad whose dW is. A slot nothing casts records no amax."""
+    x, w, g = operands
+    recipe = f8.DelayedScaling(amax_history_len=2, override_linear_precision=override)
+    meta = _meta(recipe)
+    need_dx, need_dw = differentiated
+    argnums = (0, 2) if need_dx else (1, 2)
+
+    def loss(x, w, meta):
+        return jnp.sum(f8.dot_general(x, w, DIMS, meta).astype(jnp.float32) * g)
+
+    dmeta = jax.grad(loss, argnums=argnums)(x, w, meta)[1]
+    obs = f8.observations_of(dmeta)
+    fprop, dgrad, wgrad = (not hp for hp in override)
+    assert (float(obs.forward[0]) > 0) == (fprop or (wgrad and need_dw))
+    assert (float(obs.forward[1]) > 0) == (fprop or dgrad)
+    assert (float(obs.backward[0]) > 0) == ((dgrad and need_dx) or (wgrad and need_dw))

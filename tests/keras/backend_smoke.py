@@ -78,6 +78,29 @@ def torch_backend() -> None:
     reused_layer_backward_keeps_its_forward_scales()
     backward_keeps_no_high_precision_input()
     differentiating_twice_raises()
+    only_operands_an_fp8_gemm_reads_are_cast()
+
+
+def only_operands_an_fp8_gemm_reads_are_cast() -> None:
+    """The rule of tests/keras/test_layers.py's table, from autograd here: with fprop in high
+    precision, a frozen kernel (no wgrad) leaves x uncast; with wgrad in high precision, an input
+    that needs no gradient (no dgrad) leaves dY uncast."""
+    import torch
+
+    _, _, x, g = data(3)
+    cases = (
+        ((True, False, False), True, True, "fwd_count"),
+        ((False, False, True), False, False, "bwd_count"),
+    )
+    for override, frozen, x_grad, slot in cases:
+        recipe = f8.DelayedScaling(amax_history_len=3, override_linear_precision=override)
+        layer = f8.Dense(8, recipe=recipe)
+        layer.build((None, 16))
+        layer.trainable = not frozen
+        y = layer(torch.from_numpy(x).requires_grad_(x_grad), training=True)
+        y.backward(torch.from_numpy(g))
+        counts = keras.ops.convert_to_numpy(getattr(layer.fp8_state, slot))
+        assert counts[0] == 0, (override, slot, counts)
 
 
 def reused_layer_backward_keeps_its_forward_scales() -> None:

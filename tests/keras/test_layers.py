@@ -3,6 +3,7 @@ reference, drop-in behaviour, training=False, reuse, gradient accumulation, bad 
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Any
 
@@ -708,3 +709,26 @@ def test_training_left_out_runs_as_inference_also_through_the_backward(rng, trac
     assert dx is not None and dk is not None
     for a, b in zip(before, state_arrays(layer), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("differentiated", [(True, False), (False, True)], ids=["x", "kernel"])
+@pytest.mark.parametrize("override", list(itertools.product([False, True], repeat=3)))
+def test_only_operands_an_fp8_gemm_reads_are_cast(rng, override, differentiated) -> None:
+    """fp8kit.torch's rule (tests/torch/test_linear.py has the same table): x is cast for an
+    FP8 fprop, or an FP8 wgrad that runs (the kernel trainable); W for an FP8 fprop or dgrad;
+    dY for an FP8 dgrad whose dX is needed (x watched) or an FP8 wgrad whose dW is."""
+    need_dx, need_dw = differentiated
+    recipe = f8.DelayedScaling(amax_history_len=2, override_linear_precision=override)
+    layer = dense(8, random_fp8_friendly(rng, (24, 8)), np.zeros(8, np.float32), recipe)
+    layer.trainable = need_dw
+    x = tf.constant(random_fp8_friendly(rng, (12, 24)))
+    with tf.GradientTape() as tape:
+        if need_dx:
+            tape.watch(x)
+        loss = tf.reduce_sum(layer(x, training=True))
+    tape.gradient(loss, [x] if need_dx else layer.trainable_weights)
+    fprop, dgrad, wgrad = (not hp for hp in override)
+    _, _, count_f, _, _, count_b, _ = state_arrays(layer)
+    assert bool(count_f[0]) == (fprop or (wgrad and need_dw))
+    assert bool(count_f[1]) == (fprop or dgrad)
+    assert bool(count_b[0]) == ((dgrad and need_dx) or (wgrad and need_dw))

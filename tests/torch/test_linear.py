@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import numpy as np
 import pytest
@@ -563,3 +564,26 @@ def test_bias_gradient_is_the_float32_sum_rounded_to_dy_dtype_with_or_without_fp
     for grad in grads:
         assert grad.dtype == torch.float32
         assert grad.tolist() == [want] * 16
+
+
+@pytest.mark.parametrize("differentiated", [(True, False), (False, True)], ids=["x", "w"])
+@pytest.mark.parametrize("override", list(itertools.product([False, True], repeat=3)))
+def test_only_operands_an_fp8_gemm_reads_are_cast(
+    override: tuple[bool, bool, bool], differentiated: tuple[bool, bool]
+) -> None:
+    """The rule every frontend follows (tests/jax/test_dot.py and tests/keras/test_layers.py
+    have the same table): x is cast for an FP8 fprop, or an FP8 wgrad that runs; W for an FP8
+    fprop or dgrad; dY for an FP8 dgrad whose dX is needed or an FP8 wgrad whose dW is. A slot
+    nothing casts records no amax and keeps its count."""
+    need_dx, need_dw = differentiated
+    layer = f8.Linear(24, 8, bias=False)
+    layer.weight.requires_grad_(need_dw)
+    x = torch.randn(12, 24, requires_grad=need_dx)
+    with f8.autocast(recipe=DelayedScaling(amax_history_len=2, override_linear_precision=override)):
+        y = layer(x)
+    y.sum().backward()
+    fprop, dgrad, wgrad = (not hp for hp in override)
+    fwd, bwd = layer.fp8_meta.forward.update_count, layer.fp8_meta.backward.update_count
+    assert bool(fwd[INPUT]) == (fprop or (wgrad and need_dw))
+    assert bool(fwd[WEIGHT]) == (fprop or dgrad)
+    assert bool(bwd[0]) == ((dgrad and need_dx) or (wgrad and need_dw))

@@ -1,9 +1,11 @@
 """Backend plumbing for the FP8 GEMM's custom gradient: one small module per Keras backend.
 
-Each module exposes ``fp8_einsum(plan, state, x, w, training, out_dtype) -> y``: the forward and
-backward math of :mod:`fp8kit.keras.gemm`, wired into that framework's custom-gradient mechanism,
-delivering the amaxes of a training call to :meth:`fp8kit.keras.state.Fp8State.observe` at the
-end of its backward pass (see ``docs/decisions/0601-keras-update-events.md``).
+Each module exposes ``fp8_einsum(plan, state, x, w, training, out_dtype, kernel_trainable) -> y``:
+the forward and backward math of :mod:`fp8kit.keras.gemm`, wired into that framework's
+custom-gradient mechanism, delivering the amaxes of a training call to
+:meth:`fp8kit.keras.state.Fp8State.observe` at the end of its backward pass (see
+``docs/decisions/0601-keras-update-events.md``). ``kernel_trainable`` is the Keras flag: a frozen
+kernel gets no gradient, so an FP8 wgrad does not run for it (:data:`fp8kit.keras.gemm.Needs`).
 """
 
 from __future__ import annotations

@@ -73,10 +73,16 @@ def _differentiating_again_raises(primals: Any, tangents: Any) -> Any:
 
 
 def fp8_einsum(
-    plan: gemm.GemmPlan, state: Fp8State, x: Any, w: Any, training: bool, out_dtype: str
+    plan: gemm.GemmPlan,
+    state: Fp8State,
+    x: Any,
+    w: Any,
+    training: bool,
+    out_dtype: str,
+    kernel_trainable: bool = True,
 ) -> Any:
     """``einsum(plan.equation, x, w)`` in FP8 with the current scales (``training`` must be
-    False, see the module doc)."""
+    False, see the module doc; nothing is recorded, so ``kernel_trainable`` changes nothing)."""
     if training:
         raise NotImplementedError(TRAINING_ERROR)
     x_dtype, w_dtype = str(x.dtype), str(w.dtype)

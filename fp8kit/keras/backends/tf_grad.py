@@ -114,6 +114,7 @@ def fp8_einsum(
     w: tf.Tensor,
     training: bool,
     out_dtype: str,
+    kernel_trainable: bool = True,
 ) -> tf.Tensor:
     """``einsum(plan.equation, x, w)`` in FP8 (see :mod:`fp8kit.keras.gemm`).
 
@@ -123,6 +124,8 @@ def fp8_einsum(
         training: observe amaxes and update ``state`` (True) or leave it untouched (False). A
             training call whose backward never runs (no tape records it) observes nothing.
         out_dtype: dtype of the result.
+        kernel_trainable: the Keras flag. A tape watches every TensorFlow variable created
+            trainable, a frozen layer's too, so the flag decides whether ``dw`` is needed.
     """
     reads = state.read()
     fwd_scale, fwd_count, bwd_scale, bwd_count = reads
@@ -156,13 +159,21 @@ def fp8_einsum(
         chain = None
     is_head = chain is None
     token_in = tf.zeros((state.num_observations,), tf.float32) if is_head else chain.token
+    # Which gradients the backward owes: a tape records x / the kernel only where it watches
+    # them; traced without a tape, a tape outside may record the call later (both, then).
+    needs = (
+        not taped or record.should_record_backprop([x]),
+        kernel_trainable and (not taped or record.should_record_backprop([w])),
+    )
 
     @tf.custom_gradient
     def observed(x: tf.Tensor, w: tf.Tensor, token: tf.Tensor) -> Any:
-        y, saved, fwd_obs = gemm.forward(plan, x, w, fwd_scale, fwd_count, out_dtype)
+        y, saved, fwd_obs = gemm.forward(plan, x, w, fwd_scale, fwd_count, out_dtype, needs)
 
         def grad(dy: tf.Tensor, dtoken: tf.Tensor | None, *_: Any) -> tuple[Any, ...]:
-            dx, dw, bwd_obs = gemm.backward(plan, dy, saved, bwd_scale, bwd_count, x_dtype, w_dtype)
+            dx, dw, bwd_obs = gemm.backward(
+                plan, dy, saved, bwd_scale, bwd_count, x_dtype, w_dtype, needs
+            )
             dx, dw = _first_derivatives_only(dx, dw, x, w, dy)
             amaxes = tf.concat([fwd_obs, bwd_obs], axis=0)
             if dtoken is not None:  # the max over the calls chained after this one

@@ -31,8 +31,9 @@ class _Fp8Einsum(torch.autograd.Function):
         out_dtype: str,
     ) -> torch.Tensor:
         fwd_scale, fwd_count, bwd_scale, bwd_count = state.read()
-        y, saved, fwd_obs = gemm.forward(plan, x, w, fwd_scale, fwd_count, out_dtype)
-        ctx.plan, ctx.state, ctx.training = plan, state, training
+        needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
+        y, saved, fwd_obs = gemm.forward(plan, x, w, fwd_scale, fwd_count, out_dtype, needs)
+        ctx.plan, ctx.state, ctx.training, ctx.needs = plan, state, training, needs
         ctx.saved = saved
         # read() snapshots: a later call's event (eager: one per backward) cannot change these
         ctx.bwd = (bwd_scale, bwd_count)
@@ -53,7 +54,13 @@ class _Fp8Einsum(torch.autograd.Function):
         """dx and dw from ``dy``; a training call's backward also updates the FP8 state."""
         x_dtype, w_dtype = ctx.dtypes
         dx, dw, bwd_obs = gemm.backward(
-            ctx.plan, dy, ctx.saved, *ctx.bwd, _keras_dtype(x_dtype), _keras_dtype(w_dtype)
+            ctx.plan,
+            dy,
+            ctx.saved,
+            *ctx.bwd,
+            _keras_dtype(x_dtype),
+            _keras_dtype(w_dtype),
+            ctx.needs,
         )
         if ctx.training:
             ctx.state.observe(ops.concatenate([ctx.fwd_obs, bwd_obs]))
@@ -83,7 +90,15 @@ def _keras_dtype(dtype: torch.dtype) -> str:
 
 
 def fp8_einsum(
-    plan: gemm.GemmPlan, state: Fp8State, x: Any, w: Any, training: bool, out_dtype: str
+    plan: gemm.GemmPlan,
+    state: Fp8State,
+    x: Any,
+    w: Any,
+    training: bool,
+    out_dtype: str,
+    kernel_trainable: bool = True,
 ) -> Any:
-    """``einsum(plan.equation, x, w)`` in FP8; a training call's backward updates ``state``."""
+    """``einsum(plan.equation, x, w)`` in FP8; a training call's backward updates ``state``.
+    Which gradients are needed comes from autograd (Keras keeps a frozen kernel's
+    ``requires_grad`` False, so ``kernel_trainable`` adds nothing here)."""
     return _Fp8Einsum.apply(x, w, plan, state, training, out_dtype)
