@@ -80,15 +80,13 @@ class FP8Run:
             return None
         return self.quantize_forward(weight, fwd_slot(gemm, FwdSlot.WEIGHT), transpose=dgrad)
 
-    def quantize_forward(
-        self, x: torch.Tensor, slot: int, record: bool = True, transpose: bool = False
-    ) -> Float8Tensor:
+    def quantize_forward(self, x: torch.Tensor, slot: int, transpose: bool = False) -> Float8Tensor:
         """Quantize an activation or weight into forward ``slot`` (see :func:`quantize_slot`)."""
         state = self.meta.forward
         if self.replay is not None:
             return self.replay.quantize(x, self.plan, state, slot, transpose)
         # whatever the grad mode here: the autocast's exit decides (docs/semantics.md section 3)
-        enrol_state = record and self.plan.delayed
+        enrol_state = self.plan.delayed
         if torch.compiler.is_compiling():
             return quantize_traced(
                 self.meta,
@@ -96,7 +94,6 @@ class FP8Run:
                 x,
                 slot,
                 False,
-                record,
                 transpose,
                 False,
                 enrol_state,
@@ -104,7 +101,7 @@ class FP8Run:
             )[0]
         if captures and self.plan.delayed:  # inside an activation_checkpoint's forward
             note_cast(state, self.plan.first_step_current)
-        q, _ = quantize_slot(x, self.plan, state, slot, False, record, transpose)
+        q, _ = quantize_slot(x, self.plan, state, slot, False, transpose)
         if enrol_state:
             register_forward_state(state, self.plan.recipe, self.group, self.forward_states)  # type: ignore[arg-type]
         return q
@@ -133,13 +130,12 @@ class FP8Run:
                 x,
                 slot,
                 True,
-                True,
                 transpose,
                 dbias,
                 self.plan.delayed,
                 True,  # a backward cast trains by definition
             )
-        out = quantize_slot(x, self.plan, state, slot, True, True, transpose, dbias)
+        out = quantize_slot(x, self.plan, state, slot, True, transpose, dbias)
         if self.plan.delayed:
             schedule_backward_update(state, self.plan.recipe, self.group)  # type: ignore[arg-type]
         return out

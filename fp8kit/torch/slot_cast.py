@@ -30,7 +30,6 @@ def quantize_slot(
     state: ScalingState,
     slot: int,
     backward: bool,
-    record: bool = True,
     transpose: bool = False,
     dbias: bool = False,
 ) -> tuple[Float8Tensor, torch.Tensor | None]:
@@ -42,7 +41,6 @@ def quantize_slot(
         state: the forward or backward scaling state of the module.
         slot: index into ``state``'s slots.
         backward: True for a gradient (backward format), False for activations and weights.
-        record: fold the amax into the staging row (False for a reused cached weight).
         transpose: also write ``data_t``, the row-major transpose, in the same pass.
         dbias: also return the column sums of ``x`` (the bias gradient, ``x.dtype``).
 
@@ -60,7 +58,7 @@ def quantize_slot(
             x, dtype, power_2_scale=plan.power_2_scale, transpose=transpose, dbias=dbias
         )
     else:
-        fold = record and observer is None  # an observer needs the amax itself
+        fold = observer is None  # an observer needs the amax itself
         key = (dtype, fold, plan.first_step_current)
         derived = state.slot_derived(slot)
         cast = derived.get(key)
@@ -73,7 +71,7 @@ def quantize_slot(
                 first_step_current=count if plan.first_step_current else None,
             )
         r = cast(x, transpose, dbias)
-        if record and not fold:
+        if not fold:
             state.record_amax(slot, r.amax)  # type: ignore[arg-type]
     q = Float8Tensor(r.data, r.scale_inv, r.amax, r.data_t)
     if observer is not None:

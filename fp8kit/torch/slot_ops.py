@@ -40,23 +40,21 @@ _SLOT_ARGS = (
 # whose Python ADInplaceOrView kernel re-read the schema once per argument on every call
 # (docs/decisions/0252-first-gpu-run.md); the ops are now plain library ops (ADR 0254), and one
 # int is still the fewest arguments to convert per call.
-_BACKWARD, _RECORD, _TRANSPOSE, _DBIAS, _ENROL, _BIND = 1, 2, 4, 8, 16, 32
-_FLAG_BITS = 6
+_BACKWARD, _TRANSPOSE, _DBIAS, _ENROL, _BIND = 1, 2, 4, 8, 16
+_FLAG_BITS = 5
 
 
 def _pack_call(
     slot: int,
     backward: bool = False,
-    record: bool = False,
     transpose: bool = False,
     dbias: bool = False,
     enrol_state: bool = False,
     bind: bool = True,
 ) -> int:
-    """``slot << 6`` with one bit per flag (:data:`_BACKWARD` ... :data:`_BIND`)."""
+    """``slot << 5`` with one bit per flag (:data:`_BACKWARD` ... :data:`_BIND`)."""
     flags = (
         _BACKWARD * backward
-        | _RECORD * record
         | _TRANSPOSE * transpose
         | _DBIAS * dbias
         | _ENROL * enrol_state
@@ -90,7 +88,7 @@ def _quantize_slot(
     Returns ``(data, data_t, scale_inv, dbias)``, with 0-element tensors for outputs not asked.
     """
     slot, backward = call >> _FLAG_BITS, bool(call & _BACKWARD)
-    record, transpose, dbias = bool(call & _RECORD), bool(call & _TRANSPOSE), bool(call & _DBIAS)
+    transpose, dbias = bool(call & _TRANSPOSE), bool(call & _DBIAS)
     if not backward:
         check_not_checkpointed("a torch.compile'd FP8 module")
         check_not_recomputed("torch.compile")
@@ -102,7 +100,7 @@ def _quantize_slot(
         # module may have run under another recipe since its forward (decision 0247).
         for uid in (backward_uid,) if backward else (forward_uid, backward_uid):
             bind_state_if_needed(state_by_uid(uid), plan.recipe)  # type: ignore[arg-type]
-    q, db = quantize_slot(x, plan, state, slot, backward, record, transpose, dbias)
+    q, db = quantize_slot(x, plan, state, slot, backward, transpose, dbias)
     if call & _ENROL:
         enrol(state, event_key, backward)
     data_t = q.data_t if q.data_t is not None else x.new_empty(0, dtype=q.data.dtype)
@@ -179,7 +177,6 @@ def quantize_traced(
     x: torch.Tensor,
     slot: int,
     backward: bool,
-    record: bool,
     transpose: bool,
     dbias: bool,
     enrol_state: bool,
@@ -195,7 +192,7 @@ def quantize_traced(
         meta.forward.uid,
         meta.backward.uid,
         event_key,
-        _pack_call(slot, backward, record, transpose, dbias, enrol_state, bind),
+        _pack_call(slot, backward, transpose, dbias, enrol_state, bind),
     )
     q = Float8Tensor(data, scale_inv, None, data_t if transpose else None)
     return q, db if dbias else None

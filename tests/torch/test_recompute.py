@@ -358,7 +358,7 @@ def test_compiled_fp8_casts_inside_a_checkpoint_are_refused() -> None:
     captures.append(forward)
     try:
         with pytest.raises(RuntimeError, match="compile'd FP8 module ran inside"):
-            quantize_traced(layer.fp8_meta, event_key, x, 0, False, True, False, False, False, True)
+            quantize_traced(layer.fp8_meta, event_key, x, 0, False, False, False, False, True)
         with pytest.raises(RuntimeError, match="compile'd FP8 module ran inside"):
             record_traced(layer.fp8_meta, event_key, x, 0, False)
     finally:
@@ -367,9 +367,9 @@ def test_compiled_fp8_casts_inside_a_checkpoint_are_refused() -> None:
         replaying(None, Replay(forward)),
         pytest.raises(RuntimeError, match="compile'd FP8 module ran inside"),
     ):
-        quantize_traced(layer.fp8_meta, event_key, x, 0, False, True, False, False, False, True)
+        quantize_traced(layer.fp8_meta, event_key, x, 0, False, False, False, False, True)
     # Outside any checkpoint the op runs (the compiled path's own tests cover its numbers).
-    q, _ = quantize_traced(layer.fp8_meta, event_key, x, 0, False, True, False, False, False, True)
+    q, _ = quantize_traced(layer.fp8_meta, event_key, x, 0, False, False, False, False, True)
     assert q.data.dtype == torch.float8_e4m3fn
 
 
