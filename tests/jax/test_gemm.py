@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 import fp8kit.jax as f8
+from fp8kit.formats import E4M3 as E4M3_FORMAT
 from fp8kit.jax.gemm import GEMM_ALIGNMENT, gemm_dtype, pad_contraction, scaled_dot_general
 from tests.jax.helpers import bits
+from tests.reference import quantize_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -191,3 +193,22 @@ def test_padding_ties_pad_the_last_contracted_axis(rng) -> None:
     np.testing.assert_array_equal(bits(pa)[:, :, :3], bits(a))
     np.testing.assert_array_equal(bits(pb)[:, :3], bits(b))
     assert not bits(pa)[:, :, 3:].any() and not bits(pb)[:, 3:].any()
+
+
+def test_fp8_matmul_fp8_output_against_float64(rng) -> None:
+    """``out_scale`` given: the data are the float32 result quantized with that scale, the
+    ``scale_inv`` is its float32 reciprocal (so ``dequantize`` gives the result back to E4M3
+    precision) and ``amax`` the high-precision result's amax."""
+    a = f8.quantize(jnp.asarray(rng.standard_normal((16, 32)), jnp.float32), 64.0, E4M3)
+    b = f8.quantize(jnp.asarray(rng.standard_normal((32, 8)), jnp.float32), 32.0, E4M3)
+    out_scale = 4.0
+    c = f8.fp8_matmul(a, b, out_scale=out_scale)
+    exact, _ = dot_reference(np.asarray(a.data), np.asarray(b.data), (((1,), (0,)), ((), ())))
+    # the float32 result it quantizes: the same GEMM without out_scale, against float64
+    y32 = np.asarray(f8.fp8_matmul(a, b))
+    np.testing.assert_allclose(y32, exact / 2048, rtol=1e-6, atol=1e-6)
+    assert np.asarray(c.scale_inv) == np.float32(1) / np.float32(out_scale)
+    assert float(c.amax) == np.abs(y32).max()
+    want, _ = quantize_reference(y32, out_scale, E4M3_FORMAT)
+    np.testing.assert_array_equal(np.asarray(c.data, np.float64), want)
+    np.testing.assert_array_equal(np.asarray(c.dequantize(), np.float64), want / out_scale)

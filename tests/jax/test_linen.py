@@ -656,3 +656,32 @@ def test_a_reused_layer_with_reduction_axes_set_records_the_max(rng, where: str)
     assert float(meta_obs.forward[0]) == float(jnp.max(jnp.abs(5 * x)))
     assert float(meta_obs.backward[0]) == 1.0  # dY of each call is ones: max 1, not a sum 2
     f8.update(v, obs)  # no SummedObservationsError
+
+
+@pytest.mark.parametrize("make", [
+    lambda dtype: Dense(8, dtype=dtype),
+    lambda dtype: DenseGeneral((2, 4), dtype=dtype),
+], ids=["Dense", "DenseGeneral"])  # fmt: skip
+def test_the_output_has_the_layers_compute_dtype_like_flax(rng, make) -> None:
+    """float32 inputs and params, ``dtype=bfloat16``: Flax's layer returns bfloat16, and so
+    does the FP8 one; its values are the FP8 GEMM's result rounded to bfloat16 (the functional
+    op with the same operands and ``preferred_element_type``)."""
+    x = jnp.asarray(random_fp8_friendly(rng, (4, 16)))
+    layer = make(jnp.bfloat16)
+    v = init(layer, x)
+    flax_y = getattr(nn, type(layer).__name__)(layer.features, dtype=jnp.bfloat16).apply(
+        {"params": v["params"]}, x
+    )
+    y = jax.jit(layer.apply)(v, x)
+    assert y.dtype == flax_y.dtype == jnp.bfloat16
+    kernel = v["params"]["kernel"].reshape(16, 8)
+    bias = v["params"]["bias"].reshape(8).astype(jnp.bfloat16)
+    want = jax.jit(
+        lambda: f8.dot_general(
+            x.astype(jnp.bfloat16), kernel, (((1,), (0,)), ((), ())), metas(v)[0],
+            bias=bias, preferred_element_type=jnp.bfloat16,
+        )
+    )()  # fmt: skip
+    np.testing.assert_array_equal(
+        np.asarray(y, np.float32).reshape(4, 8), np.asarray(want, np.float32)
+    )

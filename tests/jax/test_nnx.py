@@ -247,3 +247,21 @@ def test_an_nnx_jit_factory_follows_the_autocast_around_each_call() -> None:
         assert build().fp8_meta.get_value().recipe == other
     with f8.autocast(enabled=False):
         assert build().fp8_meta is None
+
+
+def test_the_output_has_the_compute_dtype_like_flax(rng) -> None:
+    """float32 input and params with ``dtype=bfloat16``: nnx.Linear returns bfloat16, and so
+    does the FP8 Linear; its values are the FP8 GEMM's result rounded to bfloat16."""
+    x = jnp.asarray(random_fp8_friendly(rng, (4, 16)))
+    with f8.autocast(recipe=RECIPE):
+        layer = Linear(16, 8, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    plain = nnx.Linear(16, 8, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    meta = nnx.state(layer, Fp8MetaVariable)["fp8_meta"].get_value()
+    kernel, bias = layer.kernel[...], layer.bias[...]
+    y = layer(x)
+    assert y.dtype == plain(x).dtype == jnp.bfloat16
+    want = f8.dot_general(
+        x.astype(jnp.bfloat16), kernel, DIMS, meta, bias=bias.astype(jnp.bfloat16),
+        preferred_element_type=jnp.bfloat16,
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
