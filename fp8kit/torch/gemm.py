@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from fp8kit.matmul_args import ACTIVATIONS, check_matmul_args
 from fp8kit.torch import kernels, workspace
+from fp8kit.torch.kernels._library import define_op
 from fp8kit.torch.quantization import (
     HIGH_PRECISION_DTYPES,
     Float8Tensor,
@@ -303,6 +304,8 @@ def _dequant_mm(
             a, b, a_scale_inv, b_scale_inv, out_dtype, bias, b_transposed
         )
     b = b.t() if b_transposed else b
+    if torch.compiler.is_compiling():  # one opaque op: Inductor would drop the bias's rounding
+        return _upcast_mm_op(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
     return _upcast_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
 
 
@@ -329,6 +332,30 @@ def _upcast_mm(
     else:
         acc = torch.mm(a32, b32, out=acc)
     return kernels.gemm_epilogue(acc, a_scale_inv, b_scale_inv, out_dtype, bias=bias)
+
+
+def _upcast_mm_fake(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+_upcast_mm_op = define_op(
+    "upcast_fp8_gemm",
+    "(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, ScalarType out_dtype, "
+    "Tensor? bias) -> Tensor",
+    _upcast_mm,
+    _upcast_mm_fake,
+)
+"""``fp8kit::upcast_fp8_gemm``: :func:`_upcast_mm` as one op of a compiled graph. Traced as
+torch ops, Inductor fused a bfloat16 bias's rounding (``torch.autocast``'s cast) into the
+float32 add and other roundings into their neighbours, so a compiled step's bits parted from
+eager's (docs/decisions/0268-audits-twenty-fourth-session.md)."""
 
 
 SMALL_GEMM_MACS = 1 << 20

@@ -15,6 +15,7 @@ import torch
 from fp8kit.formats import E4M3, E5M2, FP8Format, check_scale_number
 from fp8kit.torch import kernels
 from fp8kit.torch.kernels import reference
+from fp8kit.torch.kernels._library import define_op
 from fp8kit.torch.kernels.reference import cast_to_fp8_reference
 from fp8kit.torch.scaling import compute_scale
 
@@ -133,10 +134,34 @@ def dequantize_unchecked(t: Float8Tensor, dtype: torch.dtype) -> torch.Tensor:
     """:func:`dequantize` without its argument checks, for a ``t`` fp8kit built itself and a
     high-precision ``dtype`` (the FP8 output and input-gradient paths of a module call)."""
     scale_inv = t.scale_inv.reshape(())  # one element: it must not broadcast into the shape
-    if t.data.device.type == "cpu":
-        return kernels.dequantize_fp8(t.data, scale_inv, dtype)  # torch where no kernel fits
-    out = t.data.to(torch.float32) * scale_inv
+    if torch.compiler.is_compiling():  # one opaque op: Inductor would drop the final rounding
+        return _dequantize_op(t.data, scale_inv, dtype)
+    return _dequantize(t.data, scale_inv, dtype)
+
+
+def _dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``float32(data) * scale_inv`` rounded once to ``dtype`` (0-d ``scale_inv``)."""
+    if data.device.type == "cpu":
+        return kernels.dequantize_fp8(data, scale_inv, dtype)  # torch where no kernel fits
+    out = data.to(torch.float32) * scale_inv
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _dequantize_fake(
+    data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    return torch.empty_like(data, dtype=dtype)
+
+
+_dequantize_op = define_op(
+    "dequantize",
+    "(Tensor data, Tensor scale_inv, ScalarType dtype) -> Tensor",
+    _dequantize,
+    _dequantize_fake,
+)
+"""``fp8kit::dequantize``: :func:`dequantize_unchecked` as one op of a compiled graph. As torch
+ops, Inductor fused the rounding to a 16-bit ``dtype`` into a following upcast (an FP8 output or
+input gradient then parted from eager's bits; decision 0268)."""
 
 
 def nan_ignoring_amax(x: torch.Tensor) -> torch.Tensor:

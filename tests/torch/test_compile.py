@@ -640,3 +640,35 @@ def test_the_fp8kit_ops_have_no_python_dispatch_layers() -> None:
         assert all(a.alias_info is None for a in args[1:]), args
         if hasattr(torch.Tag, "cudagraph_unsafe"):
             assert torch.Tag.cudagraph_unsafe in op.tags, op.tags
+
+
+class _UpcastHead(torch.nn.Module):
+    """Two FP8 Linears, the second with FP8 output and input gradient, and an upcast of its
+    output inside the graph: where Inductor would fuse a rounding into its neighbour."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = f8.Linear(128, 128)  # 128^3 MACs: above SMALL_GEMM_MACS, the upcast GEMM
+        self.head = f8.Linear(128, 16, fp8_output=True, fp8_grad=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x)).float() * 3.0
+
+
+def test_inductor_keeps_every_rounding_of_the_fp8_modules() -> None:
+    """Under torch.autocast(bfloat16) the bias reaches the GEMM as bfloat16 and the FP8 output
+    and input gradient are dequantized to bfloat16. Traced as torch ops, Inductor fused those
+    roundings into the float32 ops next to them (emulate_precision_casts is off by default):
+    the large GEMM and the dequantize are library ops now (decision 0268), so the compiled
+    model trains with eager's bits."""
+
+    def step(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16), f8.autocast(recipe=RECIPES["delayed"]):
+            y = model(x)
+        y.square().mean().backward()
+        return y
+
+    _train_side_by_side(
+        _UpcastHead, step, lambda g: torch.randn(128, 128, generator=g), 2, "inductor"
+    )
