@@ -22,6 +22,7 @@ from fp8kit.matmul_args import SECOND_DERIVATIVE_ERROR
 from fp8kit.recipe import DelayedScaling, Recipe
 from fp8kit.torch.autocast import FP8Settings, current_settings
 from fp8kit.torch.gemm import GEMM_ALIGNMENT, cublaslt_fuses_bias, fp8_gemm_bias_t, padded_mm
+from fp8kit.torch.kernels._library import define_op
 from fp8kit.torch.quantization import (
     HIGH_PRECISION_DTYPES,
     Float8Tensor,
@@ -525,7 +526,7 @@ class _LinearFunction(torch.autograd.Function):
         if need_db:
             if db is None:  # dY was not cast (both GEMMs high precision or not needed):
                 # the fused cast's rule, so the override gives the same db (docs/semantics.md 4)
-                db = dy.sum(0, dtype=torch.float32).to(dy.dtype)
+                db = _column_sum(dy)
             if db.dtype != ctx.bias_dtype:
                 db = db.to(ctx.bias_dtype)
         else:
@@ -536,9 +537,49 @@ class _LinearFunction(torch.autograd.Function):
 def _float32_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``a @ b`` in float32, rounded once to ``out_dtype``: a high-precision gradient GEMM
     (``override_linear_precision``), float32 also when backward() runs inside
-    ``torch.autocast``, as the FP8 GEMMs' products are."""
+    ``torch.autocast``, as the FP8 GEMMs' products are. One library op in a compiled graph."""
+    if torch.compiler.is_compiling():
+        return _float32_mm_op(a, b, out_dtype)
+    return _float32_mm_eager(a, b, out_dtype)
+
+
+def _float32_mm_eager(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     with torch.autocast(a.device.type, enabled=False):
         return (a.to(torch.float32) @ b.to(torch.float32)).to(out_dtype)
+
+
+def _float32_mm_fake(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def _column_sum(dy: torch.Tensor) -> torch.Tensor:
+    """The bias gradient of a ``dy`` no FP8 cast summed: the float32 column sum rounded once to
+    ``dy``'s dtype, the fused cast's rule (docs/semantics.md section 4). One library op in a
+    compiled graph."""
+    if torch.compiler.is_compiling():
+        return _column_sum_op(dy)
+    return _column_sum_eager(dy)
+
+
+def _column_sum_eager(dy: torch.Tensor) -> torch.Tensor:
+    return dy.sum(0, dtype=torch.float32).to(dy.dtype)
+
+
+def _column_sum_fake(dy: torch.Tensor) -> torch.Tensor:
+    return dy.new_empty(dy.shape[1:])
+
+
+# As torch ops, Inductor reordered the float32 sum and fused the roundings to a 16-bit dtype
+# into the next upcast, so overridden GEMMs' gradients parted from eager's bits (decision 0268).
+_float32_mm_op = define_op(
+    "float32_mm",
+    "(Tensor a, Tensor b, ScalarType out_dtype) -> Tensor",
+    _float32_mm_eager,
+    _float32_mm_fake,
+)
+_column_sum_op = define_op(
+    "column_sum", "(Tensor dy) -> Tensor", _column_sum_eager, _column_sum_fake
+)
 
 
 _TWICE = SECOND_DERIVATIVE_ERROR.encode()

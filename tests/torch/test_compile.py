@@ -656,15 +656,20 @@ class _UpcastHead(torch.nn.Module):
         return self.head(self.body(x)).float() * 3.0
 
 
-def test_inductor_keeps_every_rounding_of_the_fp8_modules() -> None:
+@pytest.mark.parametrize(
+    "override", [(False, False, False), (False, True, True)], ids=["fp8", "hp-gradients"]
+)
+def test_inductor_keeps_every_rounding_of_the_fp8_modules(override: tuple[bool, ...]) -> None:
     """Under torch.autocast(bfloat16) the bias reaches the GEMM as bfloat16 and the FP8 output
-    and input gradient are dequantized to bfloat16. Traced as torch ops, Inductor fused those
-    roundings into the float32 ops next to them (emulate_precision_casts is off by default):
-    the large GEMM and the dequantize are library ops now (decision 0268), so the compiled
+    and input gradient are dequantized to bfloat16; overridden gradient GEMMs round their float32
+    products to bfloat16 and sum the bias gradient in float32. Traced as torch ops, Inductor
+    fused those roundings into the float32 ops next to them (emulate_precision_casts is off by
+    default) and reordered the sum: these are library ops now (decision 0268), so the compiled
     model trains with eager's bits."""
+    recipe = DelayedScaling(amax_history_len=4, override_linear_precision=override)
 
     def step(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16), f8.autocast(recipe=RECIPES["delayed"]):
+        with torch.autocast("cpu", dtype=torch.bfloat16), f8.autocast(recipe=recipe):
             y = model(x)
         y.square().mean().backward()
         return y
