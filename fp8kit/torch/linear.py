@@ -31,6 +31,7 @@ from fp8kit.torch.quantization import (
 )
 from fp8kit.torch.quantizer import FP8Run
 from fp8kit.torch.recompute import warn_if_recomputed_without_fp8
+from fp8kit.torch.slot_ops import bind_traced
 from fp8kit.torch.state import (
     BwdSlot,
     FP8Meta,
@@ -133,7 +134,11 @@ def prepare_run(meta: FP8Meta, settings: FP8Settings, cache: dict[str, Any]) -> 
     recipe = settings.recipe
     if torch.compiler.is_compiling() or settings.replay is not None:
         # not kept: a replay's run holds its copies
-        return _new_run(meta, settings, _can_update(settings))
+        binds = _can_update(settings)
+        plan = settings.plan
+        if binds and plan.delayed and not any(plan.fp8_gemms) and settings.replay is None:
+            bind_traced(meta, settings.event_key)  # no cast op will bind (all high precision)
+        return _new_run(meta, settings, binds)
     last = cache.get("run")
     if (
         last is not None

@@ -21,7 +21,7 @@ from fp8kit.torch.slot_cast import quantize_slot
 from fp8kit.torch.state import FP8Meta, bind_state_if_needed
 from fp8kit.torch.state.buffers import state_by_uid
 
-__all__ = ["quantize_traced", "record_traced"]
+__all__ = ["bind_traced", "quantize_traced", "record_traced"]
 
 # cudagraph_unsafe: the enrolment is host work that a CUDA graph replay would skip, so Inductor
 # keeps this op out of its CUDA graphs (mode="reduce-overhead" graphs the rest around it). Torch
@@ -210,3 +210,33 @@ def record_traced(
         event_key,
         _pack_call(slot, enrol_state=enrol_state),
     )
+
+
+def _bind_states(token: torch.Tensor, forward_uid: int, backward_uid: int, event_key: int) -> None:
+    """Bind both states of a module to the event's recipe, as eager's module call does, for a
+    compiled call that casts nothing (every GEMM in high precision): no cast op binds there.
+    ``token``: the forward state's ``op_token``."""
+    recipe = event_of(event_key)[0]
+    for uid in (forward_uid, backward_uid):
+        bind_state_if_needed(state_by_uid(uid), recipe)  # type: ignore[arg-type]
+
+
+def _bind_states_fake(
+    token: torch.Tensor, forward_uid: int, backward_uid: int, event_key: int
+) -> None:
+    return None
+
+
+_bind_states_op = define_op(
+    "bind_states",
+    "(Tensor(a!) token, int forward_uid, int backward_uid, int event_key) -> ()",
+    _bind_states,
+    _bind_states_fake,
+    _OP_TAGS,
+)
+
+
+def bind_traced(meta: FP8Meta, event_key: int) -> None:
+    """The binding of a traced module call that casts nothing: one ``fp8kit::bind_states``
+    node (a history resize and the recorded recipe, as in eager)."""
+    _bind_states_op(meta.forward.op_token, meta.forward.uid, meta.backward.uid, event_key)

@@ -677,3 +677,22 @@ def test_inductor_keeps_every_rounding_of_the_fp8_modules(override: tuple[bool, 
     _train_side_by_side(
         _UpcastHead, step, lambda g: torch.randn(128, 128, generator=g), 2, "inductor"
     )
+
+
+def test_a_call_that_casts_nothing_binds_as_in_eager() -> None:
+    """Every GEMM in high precision: no cast op runs, yet eager's call binds the states (history
+    length, recorded recipe), so the checkpoints of both models must match; a bind op does it in
+    the graph (decision 0268)."""
+    recipe = DelayedScaling(amax_history_len=2, override_linear_precision=(True, True, True))
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(f8.Linear(16, 16), f8.LayerNormMLP(16, 32))
+
+    eager, _ = _train_side_by_side(
+        make,
+        _autocast_step(recipe),
+        lambda g: torch.randn(4, 16, generator=g),
+        steps=2,
+    )
+    assert eager[0].fp8_meta.forward.amax_history.shape == (2, 3)
