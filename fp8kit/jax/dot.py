@@ -303,8 +303,8 @@ def _fp8_dot_fwd(
     if fprop_fp8:
         assert x_q is not None and w_q is not None
         y = _gemm(x_q[:2], w_q[:2], cfg.dimension_numbers, cfg, cfg.out_dtype)
-    else:
-        y = _gemm(lhs, rhs, cfg.dimension_numbers, cfg, cfg.out_dtype)
+    else:  # the kernel in the input's dtype, as torch's and Keras's high-precision fprop
+        y = _gemm(lhs, rhs.astype(lhs.dtype), cfg.dimension_numbers, cfg, cfg.out_dtype)
     if bias is not None:
         y = y + bias.astype(y.dtype)  # in the GEMM's dtype: XLA fuses it into the FP8 GEMM
     y = y.astype(cfg.out_dtype)

@@ -685,3 +685,18 @@ def test_the_output_has_the_layers_compute_dtype_like_flax(rng, make) -> None:
     np.testing.assert_array_equal(
         np.asarray(y, np.float32).reshape(4, 8), np.asarray(want, np.float32)
     )
+
+
+def test_high_precision_fprop_multiplies_by_the_kernel_in_the_compute_dtype() -> None:
+    """``override_linear_precision`` fprop with float32 parameters and ``dtype=bfloat16``: the
+    GEMM takes the kernel rounded to bfloat16, as Flax's Dense, torch under torch.autocast and
+    Keras's mixed_bfloat16 do; the float32 master serves only the FP8 WEIGHT cast. 1 + 5 * 2^-10
+    is 1 + 2^-7 in bfloat16, so x . w = 2^-7 (the master would give 5 * 2^-10)."""
+    recipe = f8.DelayedScaling(amax_history_len=1, override_linear_precision=(True, False, False))
+    w = np.array([[1 + 5 * 2**-10], [-1.0]], np.float32)
+    layer = Dense(1, use_bias=False, recipe=recipe, dtype=jnp.bfloat16, param_dtype=jnp.float32)
+    v = {"params": {"kernel": jnp.asarray(w)}, "fp8_meta": {"meta": f8.init_meta(1, recipe)}}
+    y = layer.apply(v, jnp.ones((1, 2), jnp.float32))
+    flax_y = nn.Dense(1, use_bias=False, dtype=jnp.bfloat16).apply(v, jnp.ones((1, 2)))
+    assert y.dtype == jnp.bfloat16
+    assert float(y[0, 0]) == float(flax_y[0, 0]) == 2.0**-7
