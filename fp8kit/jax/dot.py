@@ -303,8 +303,10 @@ def _fp8_dot_fwd(
     if fprop_fp8:
         assert x_q is not None and w_q is not None
         y = _gemm(x_q[:2], w_q[:2], cfg.dimension_numbers, cfg, cfg.out_dtype)
-    else:  # the kernel in the input's dtype, as torch's and Keras's high-precision fprop
-        y = _gemm(lhs, rhs.astype(lhs.dtype), cfg.dimension_numbers, cfg, cfg.out_dtype)
+    else:  # a layer's float32 master kernel rounded to its 16-bit compute dtype first, as in
+        # torch, Keras and Flax; a functional call keeps its promoted dtype (no rounding)
+        rhs_hp = rhs.astype(jnp.promote_types(lhs.dtype, cfg.out_dtype))
+        y = _gemm(lhs, rhs_hp, cfg.dimension_numbers, cfg, cfg.out_dtype)
     if bias is not None:
         y = y + bias.astype(y.dtype)  # in the GEMM's dtype: XLA fuses it into the FP8 GEMM
     y = y.astype(cfg.out_dtype)

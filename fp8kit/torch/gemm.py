@@ -305,6 +305,8 @@ def _dequant_mm(
         )
     b = b.t() if b_transposed else b
     if torch.compiler.is_compiling():  # one opaque op: Inductor would drop the bias's rounding
+        # no autograd through it, as through the native kernels in eager
+        bias = None if bias is None else bias.detach()
         return _upcast_mm_op(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
     return _upcast_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)
 

@@ -574,3 +574,16 @@ def test_only_operands_an_fp8_gemm_reads_are_cast(operands, override, differenti
     assert (float(obs.forward[0]) > 0) == (fprop or (wgrad and need_dw))
     assert (float(obs.forward[1]) > 0) == (fprop or dgrad)
     assert (float(obs.backward[0]) > 0) == ((dgrad and need_dx) or (wgrad and need_dw))
+
+
+def test_high_precision_fprop_of_mixed_operands_keeps_the_promoted_dtype(rng) -> None:
+    """A functional call with a bfloat16 lhs and a float32 rhs under an fprop override
+    multiplies in the promoted float32, as ``jnp.dot`` does; only a layer's 16-bit compute
+    dtype (its output dtype) rounds the kernel (tests/jax/test_linen.py)."""
+    recipe = f8.DelayedScaling(override_linear_precision=(True, False, False))
+    x = jnp.asarray(random_fp8_friendly(rng, (4, 8))).astype(jnp.bfloat16)
+    w = jnp.asarray(random_fp8_friendly(rng, (8, 4)) * (1 + 2**-12))  # not bfloat16 values
+    y = f8.dot_general(x, w, DIMS, f8.init_meta(1, recipe))
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert y.dtype == jnp.float32
+    close(y, want)

@@ -696,3 +696,23 @@ def test_a_call_that_casts_nothing_binds_as_in_eager() -> None:
         steps=2,
     )
     assert eager[0].fp8_meta.forward.amax_history.shape == (2, 3)
+
+
+def test_a_compiled_scaled_mm_is_as_free_of_autograd_as_eager() -> None:
+    """``f8.scaled_mm`` computes no gradients (its kernels do not record autograd): with a
+    bias that requires grad, the compiled call's result requires none either, as in eager,
+    instead of a graph whose backward silently skips the bias (the upcast GEMM op)."""
+    torch.manual_seed(0)
+    one = torch.tensor(1.0)
+    a = f8.quantize(torch.randn(128, 128), one, torch.float8_e4m3fn)
+    b = f8.quantize(torch.randn(128, 128), one, torch.float8_e4m3fn)
+    b = f8.Float8Tensor(b.data.t(), b.scale_inv, b.amax)  # column-major B, 128^3 MACs
+
+    def gemm(bias: torch.Tensor) -> torch.Tensor:
+        return f8.scaled_mm(a, b, torch.bfloat16, bias=bias)
+
+    bias = torch.randn(128, dtype=torch.bfloat16, requires_grad=True)
+    compiled = torch.compile(gemm, backend="aot_eager", fullgraph=True)
+    for fn in (gemm, compiled):
+        assert not fn(bias).requires_grad
+    assert torch.equal(gemm(bias), compiled(bias))
