@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from fp8kit.matmul_args import ACTIVATIONS, check_matmul_args
 from fp8kit.torch import kernels, workspace
 from fp8kit.torch.kernels._library import define_op
+from fp8kit.torch.kernels.native_ops import fp8_gemm_fake
 from fp8kit.torch.quantization import (
     HIGH_PRECISION_DTYPES,
     Float8Tensor,
@@ -336,23 +337,12 @@ def _upcast_mm(
     return kernels.gemm_epilogue(acc, a_scale_inv, b_scale_inv, out_dtype, bias=bias)
 
 
-def _upcast_mm_fake(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_scale_inv: torch.Tensor,
-    b_scale_inv: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
-
-
 _upcast_mm_op = define_op(
     "upcast_fp8_gemm",
     "(Tensor a, Tensor b, Tensor a_scale_inv, Tensor b_scale_inv, ScalarType out_dtype, "
     "Tensor? bias) -> Tensor",
     _upcast_mm,
-    _upcast_mm_fake,
+    fp8_gemm_fake,
 )
 """``fp8kit::upcast_fp8_gemm``: :func:`_upcast_mm` as one op of a compiled graph. Traced as
 torch ops, Inductor fused a bfloat16 bias's rounding (``torch.autocast``'s cast) into the

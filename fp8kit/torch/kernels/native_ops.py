@@ -14,7 +14,7 @@ import torch
 from fp8kit.torch.kernels import native
 from fp8kit.torch.kernels._library import define_op
 
-__all__ = ["cast_error_sums_op", "small_fp8_gemm_op"]
+__all__ = ["cast_error_sums_op", "fp8_gemm_fake", "small_fp8_gemm_op"]
 
 
 def _small_fp8_gemm(
@@ -29,7 +29,7 @@ def _small_fp8_gemm(
     return native.small_fp8_gemm(a, b, a_scale, b_scale, out_dtype, bias)
 
 
-def _small_fp8_gemm_fake(
+def fp8_gemm_fake(
     a: torch.Tensor,
     b: torch.Tensor,
     a_scale: torch.Tensor,
@@ -37,6 +37,8 @@ def _small_fp8_gemm_fake(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
+    """The output of an FP8 GEMM op ``(a, b, a_scale, b_scale, out_dtype, bias)`` while a graph
+    is traced: a contiguous ``(M, N)`` tensor of ``out_dtype``."""
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
@@ -45,7 +47,7 @@ small_fp8_gemm_op = define_op(
     "(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale, ScalarType out_dtype, Tensor? bias)"
     " -> Tensor",
     _small_fp8_gemm,
-    _small_fp8_gemm_fake,
+    fp8_gemm_fake,
 )
 """``fp8kit::small_fp8_gemm(a, b, a_scale, b_scale, out_dtype, bias)``: the native small GEMM
 as one op of a compiled graph."""
