@@ -23,6 +23,7 @@ from fp8kit.recipe import DelayedScaling, Recipe
 from fp8kit.torch.autocast import FP8Settings, current_settings
 from fp8kit.torch.gemm import GEMM_ALIGNMENT, cublaslt_fuses_bias, fp8_gemm_bias_t, padded_mm
 from fp8kit.torch.kernels._library import define_op
+from fp8kit.torch.kernels.reference import column_sums
 from fp8kit.torch.quantization import (
     HIGH_PRECISION_DTYPES,
     Float8Tensor,
@@ -558,16 +559,12 @@ def _float32_mm_fake(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -
 
 
 def _column_sum(dy: torch.Tensor) -> torch.Tensor:
-    """The bias gradient of a ``dy`` no FP8 cast summed: the float32 column sum rounded once to
-    ``dy``'s dtype, the fused cast's rule (docs/semantics.md section 4). One library op in a
-    compiled graph."""
+    """The bias gradient of a ``dy`` no FP8 cast summed, by the fused cast's rule (the reference
+    kernel's :func:`~fp8kit.torch.kernels.reference.column_sums`). One library op in a compiled
+    graph."""
     if torch.compiler.is_compiling():
         return _column_sum_op(dy)
-    return _column_sum_eager(dy)
-
-
-def _column_sum_eager(dy: torch.Tensor) -> torch.Tensor:
-    return dy.sum(0, dtype=torch.float32).to(dy.dtype)
+    return column_sums(dy)
 
 
 def _column_sum_fake(dy: torch.Tensor) -> torch.Tensor:
@@ -582,9 +579,7 @@ _float32_mm_op = define_op(
     _float32_mm_eager,
     _float32_mm_fake,
 )
-_column_sum_op = define_op(
-    "column_sum", "(Tensor dy) -> Tensor", _column_sum_eager, _column_sum_fake
-)
+_column_sum_op = define_op("column_sum", "(Tensor dy) -> Tensor", column_sums, _column_sum_fake)
 
 
 _TWICE = SECOND_DERIVATIVE_ERROR.encode()

@@ -27,6 +27,7 @@ __all__ = [
     "cast_current",
     "cast_error_sums",
     "cast_to_fp8_reference",
+    "column_sums",
     "compute_scale",
     "count_events",
     "delayed_update",
@@ -154,6 +155,12 @@ def _current_scale(a: torch.Tensor, fmax: float, power_2_scale: bool) -> torch.T
     return compute_scale(a, torch.ones_like(a), fmax, 0, power_2_scale)
 
 
+def column_sums(x: torch.Tensor) -> torch.Tensor:
+    """The bias gradient of a 2-D ``x`` (M, N): its float32 column sums rounded once to
+    ``x.dtype``, shape (N,) (docs/semantics.md section 4)."""
+    return x.to(torch.float32).sum(dim=0).to(x.dtype)
+
+
 def _finish(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -165,7 +172,7 @@ def _finish(
 ) -> CastResult:
     data = _cast_data(x, scale, spec)
     data_t = data.t().contiguous() if transpose else None
-    bias = x.to(torch.float32).sum(dim=0).to(x.dtype) if dbias else None
+    bias = column_sums(x) if dbias else None
     if amax_out is not None:
         amax_out.clamp_(min=a)
         a = None
