@@ -162,12 +162,20 @@ def test_resize_history_keeps_newest_and_pads_older_side() -> None:
     assert resize_history(h, 5) is h
 
 
-def test_unknown_extra_state_is_rejected() -> None:
+@pytest.mark.parametrize("strict", [True, False])
+def test_unknown_extra_state_is_rejected_by_key(strict: bool) -> None:
+    """As torch reports a bad tensor: by its key, after the whole load, also under strict=False."""
     model = _model()
     sd = model.state_dict()
     sd["0.fp8_meta.forward._extra_state"] = {"version": 99}
+    with pytest.raises(RuntimeError) as raised:
+        model.load_state_dict(sd, strict=strict)
+    message = str(raised.value)
+    assert "While loading 0.fp8_meta.forward._extra_state:" in message
+    assert "unsupported ScalingState extra state {'version': 99}" in message
+    assert "expected a dict with version 1" in message
     with pytest.raises(ValueError, match="unsupported ScalingState extra state"):
-        model.load_state_dict(sd)
+        model[0].fp8_meta.forward.set_extra_state({"version": 99})
 
 
 def test_state_moves_with_the_module_and_survives_reset_parameters() -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "FP8Meta",
     "FwdSlot",
     "ScalingState",
+    "UnsupportedExtraState",
     "buffer_generation",
     "bwd_slot",
     "finish_fresh_state_summary",
@@ -86,6 +87,11 @@ def resize_history(history: torch.Tensor, length: int) -> torch.Tensor:
     if keep > 0:
         out[length - keep :] = history[old - keep :]
     return out
+
+
+class UnsupportedExtraState(ValueError):
+    """A checkpoint's ``_extra_state`` entry for a :class:`ScalingState` that this version of
+    fp8kit cannot read."""
 
 
 def _require_label(label: Any) -> None:
@@ -337,9 +343,9 @@ class ScalingState(nn.Module):
         if _is_dcp_placeholder(state):  # the checkpoint has none: keep the recorded recipe
             return
         if not isinstance(state, dict) or state.get("version") != _EXTRA_STATE_VERSION:
-            raise ValueError(
+            raise UnsupportedExtraState(
                 f"fp8kit: unsupported ScalingState extra state {state!r} "
-                f"(expected a dict with version {_EXTRA_STATE_VERSION})"
+                f"(expected a dict with version {_EXTRA_STATE_VERSION}, as get_extra_state saves)"
             )
         self.recipe_data = state.get("recipe")
 
@@ -381,9 +387,20 @@ class ScalingState(nn.Module):
             self.amax_history = torch.zeros(
                 incoming.shape, dtype=torch.float32, device=self.amax_history.device
             )
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        try:
+            super()._load_from_state_dict(
+                state_dict,
+                prefix,
+                local_metadata,
+                strict,
+                missing_keys,
+                unexpected_keys,
+                error_msgs,
+            )
+        except UnsupportedExtraState as error:
+            # torch sets the extra state last: the buffers are loaded. Reported as torch reports
+            # a bad tensor, by key, when the whole load is done (also under strict=False).
+            error_msgs.append(f"While loading {prefix}_extra_state: {error}")
         self.refresh_derived()
 
     def extra_repr(self) -> str:
