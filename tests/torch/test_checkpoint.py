@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling, recipe_from_dict
@@ -482,3 +483,32 @@ def test_resizing_a_state_that_only_staged_does_not_warn() -> None:
             y = layer(torch.randn(2, 16))
     y.sum().backward()
     assert layer.fp8_meta.forward.amax_history.shape[0] == 4
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_an_ema_copy_made_before_the_first_step_needs_sized_states(sized: bool) -> None:
+    """docs/te_modules.md, "Copies, EMA and stateless calls": AveragedModel copies the model's
+    buffers at each update; with the states sized by init_fp8_state before the copy, the copy's
+    FP8 state follows the model's, and the weights average. Unsized, torch's copy fails."""
+    recipe = DelayedScaling(amax_history_len=16)
+    model = _model()
+    if sized:
+        f8.init_fp8_state(model, recipe)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    before = model[0].weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with f8.autocast(recipe=recipe):
+        loss = model(torch.randn(4, 32)).square().mean()
+    loss.backward()
+    opt.step()
+    if not sized:
+        with pytest.raises(RuntimeError, match=r"size of tensor a \(1024\) must match"):
+            ema.update_parameters(model)
+        return
+    ema.update_parameters(model)  # the first update copies the parameters and buffers
+    assert torch.equal(ema.module[0].weight, model[0].weight)
+    assert not torch.equal(ema.module[0].weight, before)
+    for key, value in model.state_dict().items():
+        if "fp8_meta" in key and isinstance(value, torch.Tensor):
+            assert torch.equal(ema.module.state_dict()[key], value), key
+    assert model[0].fp8_meta.forward.update_count.tolist() == [1, 1, 0]

@@ -288,3 +288,75 @@ def test_a_member_reloaded_with_another_history_length_keeps_updating() -> None:
     assert fwd.amax_history[:, f8.FwdSlot.INPUT].tolist() == [0.0, 0.0, 1.0, 3.0]
     assert fwd.update_count.tolist() == [2, 2, 0]
     assert fwd.scale[f8.FwdSlot.INPUT].item() == torch.tensor(448.0 / 3.0).item()
+
+
+def _functional_steps(
+    model: torch.nn.Module, xs: list[torch.Tensor], buffers: dict[str, torch.Tensor] | str
+) -> None:
+    """Train ``model`` through ``torch.func.functional_call`` with clones of its parameters
+    (fast weights) and ``buffers`` (``"own"``: the module's buffer tensors of the moment, ``""``:
+    none); the parameters' gradients are copied back."""
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    for x in xs:
+        passed = dict(model.named_buffers()) if buffers == "own" else buffers or {}
+        with f8.autocast(recipe=RECIPE):
+            y = torch.func.functional_call(model, {**params, **passed}, (x,))
+        y.square().sum().backward()
+    for name, param in model.named_parameters():
+        param.grad = params[name].grad
+
+
+def _fp8_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state = model.state_dict().items()
+    return {k: v.clone() for k, v in state if "fp8_meta" in k and isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("pass_buffers", [False, True])
+def test_functional_call_with_parameters_or_own_buffers_trains_the_module_state(
+    pass_buffers: bool,
+) -> None:
+    """Stateless calls whose FP8 state is the module's own (not passed, or passed as the
+    module's buffer tensors of the moment): the same histories, scales and gradients as
+    ordinary calls."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(f8.Linear(16, 8), torch.nn.ReLU(), f8.Linear(8, 4))
+    stateless = copy.deepcopy(plain)
+    xs = [torch.randn(4, 16) * s for s in (1.0, 3.0, 0.5)]
+    for x in xs:
+        with f8.autocast(recipe=RECIPE):
+            y = plain(x)
+        y.square().sum().backward()
+    if pass_buffers:  # sized first: a first call's resize would be undone by functional_call
+        f8.init_fp8_state(stateless, RECIPE)
+    _functional_steps(stateless, xs, "own" if pass_buffers else "")
+    expected, got = _fp8_state(plain), _fp8_state(stateless)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+    assert expected["0.fp8_meta.forward.update_count"].tolist() == [3, 3, 0]
+    for a, b in zip(plain.parameters(), stateless.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("passed", ["clones", "own"])
+def test_functional_call_with_replacement_fp8_buffers_is_refused(passed: str) -> None:
+    """Buffers passed to functional_call replace the module's in ``_buffers``; the update event
+    at the autocast exit works on the module's own state, so the amaxes cast into the
+    replacements would be lost. Refused at the first cast that sees them ("own": the module's
+    unsized buffers, which functional_call puts back after the first call's resize: at the
+    backward cast), and the module trains normally afterwards (as a fresh one)."""
+    torch.manual_seed(0)
+    model = f8.Linear(16, 8)
+    fresh = copy.deepcopy(model)
+    buffers = {k: v.clone() for k, v in model.named_buffers()} if passed == "clones" else "own"
+    direction = "forward" if passed == "clones" else "backward"
+    with pytest.raises(RuntimeError, match=rf"Linear\(16, 8\)\.{direction} were replaced from"):
+        _functional_steps(model, [torch.randn(4, 16)], buffers)
+    if passed == "clones":
+        assert torch.equal(buffers["fp8_meta.forward.amax_history"], torch.zeros(1024, 3))
+    x = torch.randn(4, 16)
+    for m in (model, fresh):
+        _step(m, x)
+    expected, got = _fp8_state(fresh), _fp8_state(model)
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key

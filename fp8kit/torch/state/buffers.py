@@ -41,6 +41,7 @@ __all__ = [
 
 DEFAULT_HISTORY_LEN: int = DelayedScaling.__dataclass_fields__["amax_history_len"].default
 BUFFER_NAMES = ("amax_history", "scale", "scale_inv", "update_count", "nonfinite_count")
+_CAST_BUFFERS = ("amax_history", "scale", "update_count")  # what a cast reads and writes
 _EXTRA_STATE_VERSION = 1
 # State-dict keys of FP8 state (persistent buffers and the recorded recipe) under any prefix.
 FP8_STATE_KEY = re.compile(
@@ -158,6 +159,14 @@ class ScalingState(nn.Module):
         self._slot_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._slot_views_of: tuple[torch.Tensor, ...] = ()
         self._slot_derived: dict[int, dict[Any, Any]] = {}
+        self._note_placed()
+
+    def _note_placed(self, *names: str) -> None:
+        """Remember the buffer tensors a ScalingState placed itself (``names``, default all),
+        which :meth:`slot_views` tells from tensors assigned into ``_buffers`` from outside."""
+        placed = self.__dict__.setdefault("_placed", {})
+        for name in names or _CAST_BUFFERS:
+            placed[name] = self._buffers[name]
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -169,11 +178,15 @@ class ScalingState(nn.Module):
         self.uid = next(_uids)  # a copy (deepcopy, unpickling) is a state of its own
         _states_by_uid[self.uid] = self
         self.pool_partition = 0  # and is in no CUDA graph
+        self.__dict__["_placed"] = {}  # not the original's tensors
+        self._note_placed()
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
         if name in BUFFER_NAMES:
             _buffers_replaced()
+            if name in _CAST_BUFFERS:
+                self._note_placed(name)
 
     def placement(self) -> tuple[dict[str, torch.Tensor | None], int, dict[str, Any] | None]:
         """The buffer tensors themselves (not copies), the pool partition and the recorded
@@ -187,11 +200,13 @@ class ScalingState(nn.Module):
         buffers, self.pool_partition, self.recipe_data = placement
         self._buffers.update(buffers)
         _buffers_replaced()
+        self._note_placed()
 
     def adopt_buffers(self, views: dict[str, torch.Tensor]) -> None:
         """Use ``views`` (same shapes and values, e.g. columns of a pool) as the buffers."""
         for name, view in views.items():
             self._buffers[name] = view
+        self._note_placed(*(name for name in views if name in _CAST_BUFFERS))
 
     def _apply(self, fn: Any, recurse: bool = True) -> ScalingState:  # type: ignore[override]
         # FP8 metadata stays float32 / int64 whatever the model's dtype: follow device moves
@@ -218,6 +233,7 @@ class ScalingState(nn.Module):
                 # from its own address: drop the prepared casts (a cold path).
                 self._slot_views_of = ()
                 _buffers_replaced()
+        self._note_placed()
         if materialised:
             # Off the meta device (``module.to_empty``, as FSDP2 / torchtitan initialise): a meta
             # buffer had no values, so the new memory gets the fresh state's.
@@ -246,6 +262,14 @@ class ScalingState(nn.Module):
         history, scale, count = bufs["amax_history"], bufs["scale"], bufs["update_count"]
         of = self._slot_views_of
         if not of or of[0] is not history or of[1] is not scale or of[2] is not count:
+            placed = self._placed
+            if (
+                history is not placed["amax_history"]
+                or scale is not placed["scale"]
+                or count is not placed["update_count"]
+            ):
+                _buffers_replaced()  # the module's next call binds afresh (the cached run is stale)
+                raise RuntimeError(self._swapped_message())
             self._slot_views, self._slot_views_of = {}, (history, scale, count)
             self._slot_derived = {}
         views = self._slot_views.get(slot)
@@ -256,6 +280,17 @@ class ScalingState(nn.Module):
                 count[slot : slot + 1],
             )
         return views
+
+    def _swapped_message(self) -> str:
+        return (
+            f"fp8kit: the FP8 state buffers of {self.label or 'an FP8 state'} were replaced from "
+            "outside fp8kit (assigned into module._buffers, as torch.func.functional_call does "
+            "with buffers passed in). The update event at the autocast exit updates the "
+            "module's own state, so the amaxes cast into the replacements would be lost: pass "
+            "only parameters to functional_call, or the module's own buffer tensors of the "
+            "moment once its state is sized (docs/te_modules.md, 'Copies, EMA and stateless "
+            "calls')"
+        )
 
     def slot_derived(self, slot: int) -> dict[Any, Any]:
         """A dict for what callers derive from ``slot``'s views (a cast prepared on their
