@@ -18,7 +18,7 @@ from typing import Any
 from fp8kit.jax.autocast import autocast, current_defaults
 from fp8kit.jax.dot import dot_general, dot_general_chained
 from fp8kit.jax.gemm import fp8_matmul
-from fp8kit.jax.grad import split_grads, value_and_grad
+from fp8kit.jax.grad import split_grads, tie_to_loss, value_and_grad
 from fp8kit.jax.meta import (
     BwdSlot,
     Fp8Meta,
@@ -74,6 +74,7 @@ __all__ = [
     "quantize_current",
     "split_grads",
     "stage",
+    "tie_to_loss",
     "update",
     "value_and_grad",
     "with_recipe",

@@ -18,7 +18,14 @@ import jax.numpy as jnp
 from fp8kit.jax.dot import chain_ends
 from fp8kit.jax.meta import Fp8Meta, is_meta, observations_of
 
-__all__ = ["check_grad_args", "split_grads", "tie_chain_ends", "value_and_grad", "with_chain_ends"]
+__all__ = [
+    "check_grad_args",
+    "split_grads",
+    "tie_chain_ends",
+    "tie_to_loss",
+    "value_and_grad",
+    "with_chain_ends",
+]
 
 
 def _drop_empty(tree: Any) -> Any:
@@ -79,7 +86,7 @@ def check_grad_args(fun: Any, argnums: Any, has_aux: Any) -> tuple[int, ...]:
 
 
 @jax.custom_vjp
-def with_chain_ends(loss: jax.Array, ends: list[Fp8Meta]) -> jax.Array:
+def with_chain_ends(loss: jax.Array, ends: list[Any]) -> jax.Array:
     """``loss`` itself, made to depend on the chain ends ``ends`` for differentiation only: their
     cotangent is zeros (never a symbolic zero), so the backward rule of each chain's last call
     runs, and reports its forward amaxes, even when that call's output reaches the loss through
@@ -96,6 +103,50 @@ def _with_chain_ends_bwd(ends: list[Fp8Meta], g: jax.Array) -> tuple[jax.Array, 
 
 
 with_chain_ends.defvjp(_with_chain_ends_fwd, _with_chain_ends_bwd)
+
+
+def tie_to_loss(loss: Any, outputs: Any) -> Any:
+    """``loss`` itself, made to depend on ``outputs`` for differentiation only.
+
+    ``outputs`` get a cotangent of zeros (never a symbolic zero), so the FP8 calls that made them
+    run their backward rules and report their forward amaxes, even when nothing else of theirs
+    reaches the loss. :func:`value_and_grad` does this by itself for calls traced in the loss
+    function; tie what a Flax Linen lifted transform (``nn.scan``, ``nn.remat``, ``nn.jit``,
+    ``jax.checkpoint`` around ``apply``) computes out of its sight: the ``"fp8_meta"``
+    collection an ``apply(..., mutable=["fp8_meta"])`` returns, or a teacher pass's output
+    (docs/jax.md, "Reuse, scan, remat, microbatches"). Gradients are unchanged.
+
+    Args:
+        loss: the scalar loss, a floating-point array of shape ``()``.
+        outputs: a pytree of floating-point arrays and :class:`Fp8Meta`.
+
+    Returns:
+        ``loss``, with the same value.
+    """
+    if not isinstance(loss, jax.Array) or loss.shape != () or not _inexact(loss):
+        raise TypeError(
+            f"loss must be a scalar floating-point JAX array (the loss), got {_describe(loss)}"
+        )
+    leaves = jax.tree_util.tree_leaves(outputs, is_leaf=is_meta)
+    if not leaves:
+        raise ValueError("outputs holds no array: pass the outputs or the collection to tie")
+    for leaf in leaves:
+        if not isinstance(leaf, Fp8Meta) and not (isinstance(leaf, jax.Array) and _inexact(leaf)):
+            raise TypeError(
+                "outputs must hold floating-point JAX arrays and Fp8Meta only (what has a "
+                f"gradient), got {_describe(leaf)}"
+            )
+    return with_chain_ends(loss, leaves)
+
+
+def _inexact(x: jax.Array) -> bool:
+    return bool(jnp.issubdtype(x.dtype, jnp.inexact))
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, jax.Array):
+        return f"an array of dtype {x.dtype} and shape {x.shape}"
+    return repr(x) if len(repr(x)) < 80 else f"a {type(x).__name__}"
 
 
 def tie_chain_ends(result: Any, ends: list[Fp8Meta], has_aux: bool) -> Any:

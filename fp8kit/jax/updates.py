@@ -47,7 +47,11 @@ _SUMMED_HELP = (
     "paths that fp8kit cannot chain: summing per-microbatch gradients that include the meta "
     "cotangent (combine them with fp8kit.jax.combine_observations instead), jax.lax.scan / vmap "
     "closing over one meta (give each iteration its own meta, or carry it through the scan with "
-    "dot_general_chained), or one meta used inside and outside one jax.checkpoint region."
+    "dot_general_chained), one meta used inside and outside one jax.checkpoint region, or a "
+    "Flax Linen layer inside a lifted transform (nn.scan, nn.remat, nn.jit) that runs more than "
+    "once in the step: called twice, or the model applied twice (make every call in one "
+    "apply(..., mutable=['fp8_meta']) and tie the collection it returns to the loss with "
+    "fp8kit.jax.tie_to_loss; docs/jax.md, 'Reuse, scan, remat, microbatches')."
 )
 
 

@@ -700,3 +700,122 @@ def test_high_precision_fprop_multiplies_by_the_kernel_in_the_compute_dtype() ->
     flax_y = nn.Dense(1, use_bias=False, dtype=jnp.bfloat16).apply(v, jnp.ones((1, 2)))
     assert y.dtype == jnp.bfloat16
     assert float(y[0, 0]) == float(flax_y[0, 0]) == 2.0**-7
+
+
+def _lifted(kind: str) -> nn.Module:
+    """Two tanh(Dense) layers (a ``stack`` under ``nn.scan``, else one ``layer`` under ``nn.remat``
+    or ``nn.jit`` applied twice), called on ``h`` and, when given, on a ``teacher`` input."""
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, h, teacher=None):
+            if kind == "nn.scan":
+                scan = nn.scan(
+                    _Layer,
+                    variable_axes={"params": 0, "fp8_meta": 0},
+                    split_rngs={"params": True},
+                    length=2,
+                )
+                stack = scan(name="stack")
+                run = lambda h: stack(h, None)[0]  # noqa: E731
+            else:
+                layer = {"nn.remat": nn.remat, "nn.jit": nn.jit}[kind](_Layer)(name="layer")
+                run = lambda h: layer(layer(h, None)[0], None)[0]  # noqa: E731
+            return run(h) if teacher is None else (run(h), run(teacher))
+
+    return Model()
+
+
+def _unlifted_variables(kind: str, variables):
+    """The variables of :func:`_lifted`'s model for the same computation without the transform:
+    the scanned stack unstacked into ``l0``, ``l1`` (the remat / jit layer's stay as they are)."""
+    if kind != "nn.scan":
+        return variables
+    return {
+        col: {f"l{i}": jax.tree.map(lambda a, i=i: a[i], tree["stack"]) for i in range(2)}
+        for col, tree in variables.items()
+    }
+
+
+class _UnrolledWithTeacher(nn.Module):
+    @nn.compact
+    def __call__(self, h, teacher=None):
+        layers = [_Layer(name=f"l{i}") for i in range(2)]
+
+        def run(h):
+            for layer in layers:
+                h = layer(h, None)[0]
+            return h
+
+        return run(h) if teacher is None else (run(h), run(teacher))
+
+
+class _Twice(nn.Module):
+    @nn.compact
+    def __call__(self, h, teacher=None):
+        layer = _Layer(name="layer")
+        run = lambda h: layer(layer(h, None)[0], None)[0]  # noqa: E731
+        return run(h) if teacher is None else (run(h), run(teacher))
+
+
+@pytest.mark.parametrize("kind", ["nn.scan", "nn.remat", "nn.jit"])
+def test_lifted_transforms_observe_a_teacher_pass_tied_to_the_loss(kind: str) -> None:
+    """docs/jax.md, Linen lifted transforms: a teacher pass made last (its output only under
+    stop_gradient) inside nn.scan / nn.remat / nn.jit, in one apply with a mutable collection
+    tied to the loss by f8.tie_to_loss, gives the observations, meta and gradients of the same
+    computation without the transform, bit for bit. Untied, the teacher's amaxes are lost."""
+    x = jnp.asarray(random_fp8_friendly(np.random.default_rng(5), (4, 16)))
+    model = _lifted(kind)
+    plain = _UnrolledWithTeacher() if kind == "nn.scan" else _Twice()
+    variables = init(model, x, f8.DelayedScaling(amax_history_len=4))
+    unlifted = _unlifted_variables(kind, variables)
+
+    def loss_of(m, tie):
+        def loss(v):
+            (y, t), updated = m.apply(v, x, 10 * x, mutable=["fp8_meta"])
+            value = jnp.mean((y - jax.lax.stop_gradient(t)) ** 2)
+            return f8.tie_to_loss(value, updated["fp8_meta"]) if tie else value
+
+        return jax.jit(f8.value_and_grad(loss))
+
+    value, grads, obs = loss_of(model, True)(variables)
+    want_value, want_grads, want_obs = loss_of(plain, False)(unlifted)
+    assert float(value) == float(want_value)
+    leaves_equal(_unlifted_variables(kind, grads), want_grads)
+    leaves_equal(_unlifted_variables(kind, obs), want_obs)
+    leaves_equal(
+        _unlifted_variables(kind, f8.update(variables, obs)), f8.update(unlifted, want_obs)
+    )
+    first = jax.tree.leaves(want_obs, is_leaf=lambda o: isinstance(o, f8.Observations))[0]
+    assert float(first.forward[0]) == float(jnp.max(jnp.abs(10 * x)))  # the teacher's input
+    _, _, untied = loss_of(model, False)(variables)
+    lost = jax.tree.leaves(untied, is_leaf=lambda o: isinstance(o, f8.Observations))[0]
+    assert float(np.ravel(lost.forward[..., 0])[0]) == float(jnp.max(jnp.abs(x)))
+
+
+@pytest.mark.parametrize("kind", ["nn.scan", "nn.jit"])
+def test_a_lifted_layer_run_in_two_applies_is_refused_with_the_fix(kind: str) -> None:
+    """Each apply starts the lifted layer from the same meta, so JAX adds the observations:
+    refused, and the message names the fix (one apply, f8.tie_to_loss)."""
+    x = jnp.ones((4, 16))
+    model = _lifted(kind)
+    variables = init(model, x)
+    loss = lambda v: jnp.sum(model.apply(v, x)) + jnp.sum(model.apply(v, 2 * x))  # noqa: E731
+    _, _, obs = jax.jit(f8.value_and_grad(loss))(variables)
+    with pytest.raises(f8.SummedObservationsError, match=r"lifted transform .*tie_to_loss"):
+        f8.update(variables, obs)
+
+
+def test_tie_to_loss_names_a_bad_argument() -> None:
+    loss, out = jnp.float32(1.0), jnp.ones(3)
+    with pytest.raises(TypeError, match="loss must be a scalar floating-point JAX array"):
+        f8.tie_to_loss(jnp.ones(2), out)
+    with pytest.raises(TypeError, match="loss must be a scalar floating-point JAX array"):
+        f8.tie_to_loss(1.0, out)
+    with pytest.raises(TypeError, match="outputs must hold floating-point JAX arrays and Fp8Meta"):
+        f8.tie_to_loss(loss, {"a": out, "b": jnp.arange(3)})
+    with pytest.raises(ValueError, match="outputs holds no array"):
+        f8.tie_to_loss(loss, {})
+    assert float(f8.tie_to_loss(loss, [out])) == 1.0
+    grad = jax.grad(lambda w: f8.tie_to_loss(jnp.sum(w**2), w * 3))(jnp.arange(3.0))
+    np.testing.assert_array_equal(np.asarray(grad), [0.0, 2.0, 4.0])  # gradients unchanged
