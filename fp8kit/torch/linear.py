@@ -31,7 +31,7 @@ from fp8kit.torch.quantization import (
     dequantize_unchecked,
 )
 from fp8kit.torch.quantizer import FP8Run
-from fp8kit.torch.recompute import warn_if_recomputed_without_fp8
+from fp8kit.torch.recompute import check_not_rerun_in_backward, warn_if_recomputed_without_fp8
 from fp8kit.torch.slot_ops import bind_traced
 from fp8kit.torch.state import (
     BwdSlot,
@@ -302,6 +302,8 @@ def fp8_run_for(
         )
     if x.numel() == 0:
         return None
+    if settings.replay is None and settings.plan.delayed and not torch.compiler.is_compiling():
+        check_not_rerun_in_backward(module)  # (a compiled cast checks itself, slot_ops.py)
     return prepare_run(module.fp8_meta, settings, module._run_cache)
 
 

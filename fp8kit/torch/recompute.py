@@ -34,6 +34,7 @@ __all__ = [
     "captures",
     "check_not_checkpointed",
     "check_not_recomputed",
+    "check_not_rerun_in_backward",
     "note_cast",
     "warn_if_recomputed_without_fp8",
 ]
@@ -122,6 +123,22 @@ def check_not_recomputed(what: str) -> None:
             "inside a compiled function, or torch._functorch.config.activation_memory_budget "
             "below 1): the recomputation would read the updated scales and record the amaxes "
             "again. Checkpoint eager FP8 modules with f8.activation_checkpoint instead "
+            "(docs/semantics.md section 11)"
+        )
+
+
+def check_not_rerun_in_backward(module: torch.nn.Module) -> None:
+    """Raise if ``module``, a delayed-scaling FP8 module outside any replay, runs its forward
+    inside a backward pass: ``torch.utils.checkpoint`` (or a wrapper of it) recomputing it under
+    an active ``f8.autocast`` (one entered in the checkpointed function, or around the backward
+    call). The recomputation would cast with the scales the forward update event already
+    changed, and record its amaxes again, silently (docs/semantics.md section 11). One C call."""
+    if torch._C._current_graph_task_id() != -1:
+        raise RuntimeError(
+            f"{type(module).__name__} ran an FP8 forward under f8.autocast inside a backward pass: "
+            "torch.utils.checkpoint recomputing it would cast with the scales the forward update "
+            "event already changed and record its amaxes again. Checkpoint FP8 modules with "
+            "f8.activation_checkpoint, which replays the forward's scales "
             "(docs/semantics.md section 11)"
         )
 

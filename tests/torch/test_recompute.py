@@ -390,6 +390,43 @@ def test_a_plain_reentrant_checkpoint_of_fp8_modules_warns() -> None:
         y.sum().backward()
 
 
+class _SelfCasting(torch.nn.Module):
+    """A block that enters f8.autocast itself, around an FP8 module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with f8.autocast(recipe=RECIPES["delayed"]):
+            return self.mlp(x)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("where", ["autocast in the function", "backward in an autocast"])
+def test_a_plain_checkpoint_recomputing_under_an_autocast_is_refused(
+    where: str, reentrant: bool
+) -> None:
+    """torch.utils.checkpoint recomputing FP8 modules while an f8.autocast is active (one the
+    checkpointed function enters, or one around the backward call) would cast with the scales
+    the forward update event changed and record the amaxes again, silently (gradients 1e6 off
+    in the audit): refused at the first module of the recomputation. (f8.activation_checkpoint
+    replays such a block exactly: test_an_autocast_inside_the_checkpointed_function_...)"""
+    checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=reentrant)
+    block = _SelfCasting()
+    x = _inputs(0).requires_grad_()
+    refused = r"LayerNormLinear ran an FP8 forward under f8\.autocast"
+    with pytest.raises(RuntimeError, match=refused):
+        if where == "autocast in the function":
+            y = checkpoint(block, x)
+            (y * y).sum().backward()
+        else:
+            with f8.autocast(recipe=RECIPES["delayed"]):
+                y = checkpoint(block.mlp, x)
+            with f8.autocast(recipe=RECIPES["delayed"]):
+                (y * y).sum().backward()
+
+
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 def test_pytorch_checkpoint_wrapper_takes_it_as_its_checkpoint_fn() -> None:
     """FSDP users wrap blocks with ``apply_activation_checkpointing``; ``checkpoint_fn`` routes
