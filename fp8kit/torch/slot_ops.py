@@ -5,12 +5,17 @@ A traced graph runs no Python of ours, so each op carries what the eager call do
 kernel: binding the module's states to the recipe, the cast itself (:func:`quantize_slot`, the
 same kernels as eager) and the enrolment of the state in its next update event. Ops take integers,
 not Python objects: states are named by ``ScalingState.uid``, ``(recipe, group)`` by the
-autocast's ``event_key``.
+autocast's ``event_key``. The uids are read as unspecialized ints (:func:`_uids_unspecialized`),
+so the instances of one block share a graph.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
+import torch._dynamo  # loaded by fp8kit.torch anyway (torch.compiler.assume_constant_result)
 
 from fp8kit.torch.autocast import enrol, event_of
 from fp8kit.torch.kernels._library import define_op
@@ -29,11 +34,46 @@ __all__ = ["bind_traced", "quantize_traced", "record_traced"]
 _OP_TAGS: tuple[torch.Tag, ...] = (
     (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 )
-# The ops' signature: the state's op token (declared mutated), the input, the two states' uids,
-# the autocast's event key and the packed call (:func:`_pack_call`).
+# The ops' signature: the state's op token (declared mutated), the input, the two states' uids
+# (SymInts: a graph can take them as inputs, see _uids_unspecialized), the autocast's event key
+# and the packed call (:func:`_pack_call`).
 _SLOT_ARGS = (
-    "(Tensor(a!) token, Tensor x, int forward_uid, int backward_uid, int event_key, int call)"
+    "(Tensor(a!) token, Tensor x, SymInt forward_uid, SymInt backward_uid, int event_key, int call)"
 )
+
+
+def _can_unspecialize_uids() -> bool:
+    """Whether this torch lets traced code unspecialize nn.Module int attributes for a while
+    (``torch._dynamo.patch_dynamo_config`` accepting ``allow_unspec_int_on_nn_module``)."""
+    patch = getattr(torch._dynamo, "patch_dynamo_config", None)
+    if patch is None:
+        return False
+    try:
+        patch(allow_unspec_int_on_nn_module=True)  # checks the key; enters nothing
+    except (ValueError, AttributeError, TypeError):
+        return False
+    return True
+
+
+_UNSPECIALIZE_UIDS = _can_unspecialize_uids()
+
+
+# Dynamo takes an int attribute of an nn.Module (the states' uid) as a constant of the graph and
+# guards on it, so every instance of a block would compile a graph of its own: a per-block
+# compile (block.compile(), torchtitan's way) recompiled per block and hit Dynamo's recompile
+# limit at the 9th (a hard error under fullgraph=True, eager blocks without). Read inside this
+# context, the uids are unspecialized ints like a function's arguments: the first graph still
+# holds them as constants, and automatic dynamic makes them graph inputs (SymInts) at the first
+# recompile, so later blocks share that graph. The ops receive the exact uid at run time (a
+# Python int input: no tensor, no host read, nothing a CUDA graph captures; Inductor's graph
+# partitions hand it only to the partitions that run these cudagraph_unsafe ops). The patch
+# changes tracing only: Dynamo restores the config at the block's end and guards on none of it.
+# A torch without a traceable patch for this config keeps the uids constant (a graph each).
+# compile(dynamic=False) does too: it turns automatic dynamic off.
+def _uids_unspecialized() -> Any:
+    if _UNSPECIALIZE_UIDS:
+        return torch._dynamo.patch_dynamo_config(allow_unspec_int_on_nn_module=True)
+    return contextlib.nullcontext()
 
 
 # A call's slot and flags travel as one int. It was packed when the ops were ``custom_op``'s,
@@ -186,14 +226,15 @@ def quantize_traced(
     one ``fp8kit::quantize_slot`` node; ``bind``: whether it binds the states to the recipe
     (:attr:`FP8Run.binds`). Returns ``(q, dbias or None)``; ``q.amax`` is None."""
     state = meta.backward if backward else meta.forward
-    data, data_t, scale_inv, db = _quantize_slot_op(
-        state.op_token,
-        x,
-        meta.forward.uid,
-        meta.backward.uid,
-        event_key,
-        _pack_call(slot, backward, transpose, dbias, enrol_state, bind),
-    )
+    with _uids_unspecialized():  # the op call too: Dynamo may build the uids' variables there
+        data, data_t, scale_inv, db = _quantize_slot_op(
+            state.op_token,
+            x,
+            meta.forward.uid,
+            meta.backward.uid,
+            event_key,
+            _pack_call(slot, backward, transpose, dbias, enrol_state, bind),
+        )
     q = Float8Tensor(data, scale_inv, None, data_t if transpose else None)
     return q, db if dbias else None
 
@@ -202,14 +243,15 @@ def record_traced(
     meta: FP8Meta, event_key: int, x: torch.Tensor, slot: int, enrol_state: bool
 ) -> None:
     """The amax record of a traced calibration call: one ``fp8kit::record_slot`` node."""
-    _record_slot_op(
-        meta.forward.op_token,
-        x,
-        meta.forward.uid,
-        meta.backward.uid,
-        event_key,
-        _pack_call(slot, enrol_state=enrol_state),
-    )
+    with _uids_unspecialized():
+        _record_slot_op(
+            meta.forward.op_token,
+            x,
+            meta.forward.uid,
+            meta.backward.uid,
+            event_key,
+            _pack_call(slot, enrol_state=enrol_state),
+        )
 
 
 def _bind_states(token: torch.Tensor, forward_uid: int, backward_uid: int, event_key: int) -> None:
@@ -229,7 +271,7 @@ def _bind_states_fake(
 
 _bind_states_op = define_op(
     "bind_states",
-    "(Tensor(a!) token, int forward_uid, int backward_uid, int event_key) -> ()",
+    "(Tensor(a!) token, SymInt forward_uid, SymInt backward_uid, int event_key) -> ()",
     _bind_states,
     _bind_states_fake,
     _OP_TAGS,
@@ -239,4 +281,5 @@ _bind_states_op = define_op(
 def bind_traced(meta: FP8Meta, event_key: int) -> None:
     """The binding of a traced module call that casts nothing: one ``fp8kit::bind_states``
     node (a history resize and the recorded recipe, as in eager)."""
-    _bind_states_op(meta.forward.op_token, meta.forward.uid, meta.backward.uid, event_key)
+    with _uids_unspecialized():
+        _bind_states_op(meta.forward.op_token, meta.forward.uid, meta.backward.uid, event_key)

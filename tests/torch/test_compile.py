@@ -27,6 +27,7 @@ from torch._dynamo.utils import counters
 
 import fp8kit.torch as f8
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from fp8kit.torch import slot_ops
 
 RECIPES: dict[str, Recipe] = {
     "delayed": DelayedScaling(amax_history_len=4),
@@ -324,6 +325,63 @@ def test_a_deep_copy_quantizes_into_its_own_state() -> None:
     assert duplicate.fp8_meta.forward.update_count.tolist() == [1, 1, 0]
     assert original.fp8_meta.forward.update_count.tolist() == [0, 0, 0]
     assert not original.fp8_meta.forward.amax_history.any()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = f8.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+@pytest.mark.skipif(
+    not slot_ops._UNSPECIALIZE_UIDS, reason="this torch cannot unspecialize the states' uids"
+)
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_blocks_compiled_one_by_one_share_their_graphs(backend: str) -> None:
+    """Ten blocks each compiled on its own (block.compile, torchtitan's way) share the graphs a
+    torch.nn.Linear stack would: 2, the second for the blocks whose input requires grad. The
+    states' uids must be graph inputs, not constants: as constants every block recompiled, and
+    the 9th hit Dynamo's recompile limit (a hard error under fullgraph=True). Two steps train
+    bit for bit like eager, so each block's ops still find its own states."""
+
+    def make() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[_Block() for _ in range(10)])
+
+    eager, compiled = make(), make()
+    for block in compiled:
+        block.compile(fullgraph=True, backend=backend)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (eager, compiled)]
+    step = _autocast_step(RECIPES["delayed"])
+    gen = torch.Generator().manual_seed(1)
+    for i in range(2):
+        x = torch.randn(8, 16, generator=gen)
+        outs = []
+        for model, opt in zip((eager, compiled), opts, strict=True):
+            opt.zero_grad()
+            outs.append(step(model, x).detach())
+            opt.step()
+        assert torch.equal(outs[0], outs[1]), f"step {i}: outputs differ"
+    _assert_same_model(eager, compiled)
+    assert eager[9].lin.fp8_meta.forward.update_count.tolist() == [2, 2, 0]
+    assert counters["stats"]["unique_graphs"] == 2, counters["stats"]
+
+
+def test_blocks_compiled_one_by_one_without_automatic_dynamic_compile_a_graph_each() -> None:
+    """The documented cost of ``dynamic=False`` (README, docs/performance.md): it turns
+    automatic dynamic off, so the uids stay constants and each block compiles its own graph
+    (past 8 blocks, only a raised ``torch._dynamo.config.recompile_limit`` lets that finish)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Block() for _ in range(3)])
+    for block in model:
+        block.compile(fullgraph=True, backend="aot_eager", dynamic=False)
+    with f8.autocast(recipe=RECIPES["delayed"]):
+        y = model(torch.randn(8, 16, requires_grad=True))
+    y.sum().backward()
+    assert counters["stats"]["unique_graphs"] == 3, counters["stats"]
 
 
 @pytest.mark.slow
