@@ -54,6 +54,17 @@ def _is_training_flag(training: Any) -> bool:
     )
 
 
+def _unwatched_if_frozen(variable: Any) -> Any:
+    """A weight as the call uses it; a frozen one (``trainable`` False) behind a stop-gradient.
+
+    A GradientTape watches every TensorFlow variable created trainable, a frozen layer's too,
+    so without it the output of a frozen FP8 layer would count as differentiated downstream
+    and the next FP8 layer would cast dY for a dgrad whose dX nobody needs (docs/semantics.md
+    section 4). Autograd (torch) and Keras's JAX trainer leave frozen weights undifferentiated
+    already; there it changes nothing."""
+    return variable if variable.trainable else keras.ops.stop_gradient(variable)
+
+
 class _Fp8LayerMixin:
     """What Dense and EinsumDense share: recipe resolution, FP8 state, the FP8 GEMM."""
 
@@ -211,9 +222,10 @@ class _Fp8LayerMixin:
                     "its build() did not complete; build it (layer.build(input_shape)) to see why"
                 )
             return super().call(inputs, training=training)  # type: ignore[misc]
-        x = self._fp8_gemm(inputs, keras.ops.convert_to_tensor(self.kernel), training)  # type: ignore[attr-defined]
+        kernel = keras.ops.convert_to_tensor(_unwatched_if_frozen(self.kernel))  # type: ignore[attr-defined]
+        x = self._fp8_gemm(inputs, kernel, training)
         if self.bias is not None:  # type: ignore[attr-defined]
-            x = keras.ops.add(x, self.bias)  # type: ignore[attr-defined]
+            x = keras.ops.add(x, _unwatched_if_frozen(self.bias))  # type: ignore[attr-defined]
         if self.activation is not None:  # type: ignore[attr-defined]
             x = self.activation(x)  # type: ignore[attr-defined]
         return x

@@ -15,6 +15,7 @@ if BACKEND == "torch":
 import keras  # noqa: E402
 
 import fp8kit.keras as f8  # noqa: E402
+from tests.keras import frozen_cases  # noqa: E402
 
 RECIPE = f8.DelayedScaling(amax_history_len=3)
 
@@ -78,6 +79,7 @@ def torch_backend() -> None:
     reused_layer_backward_keeps_its_forward_scales()
     backward_keeps_no_high_precision_input()
     differentiating_twice_raises()
+    frozen_layers()
     only_operands_an_fp8_gemm_reads_are_cast()
 
 
@@ -198,6 +200,13 @@ def jax_backend() -> None:
         assert "JAX backend cannot update FP8 state" in str(err)
     else:
         raise AssertionError("training=True on the JAX backend must raise")
+
+
+def frozen_layers() -> None:
+    """tests/keras/test_frozen.py's case: a frozen prefix gets fp8kit.torch's state, the first
+    layer's forward event included (it never ran here)."""
+    for wgrad_hp in (False, True):
+        frozen_cases.check_frozen_prefix("variables", wgrad_hp)
 
 
 if __name__ == "__main__":
