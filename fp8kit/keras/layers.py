@@ -161,7 +161,12 @@ class _Fp8LayerMixin:
                 "amaxes for the next update is decided when the step is traced (pass the flag "
                 "as a Python value, as Model.fit does)"
             ) from None
-        if training is None and not self._warned_training_unset and gradients_recorded():
+        if (
+            training is None
+            and self.trainable  # type: ignore[attr-defined]  # frozen: inference anyway
+            and not self._warned_training_unset
+            and gradients_recorded()
+        ):
             self._warned_training_unset = True
             warnings.warn(
                 f"fp8kit.keras: {type(self).__name__} {self.name!r} was called with training "  # type: ignore[attr-defined]
@@ -171,6 +176,12 @@ class _Fp8LayerMixin:
                 UserWarning,
                 stacklevel=3,
             )
+        # A layer with trainable=False runs as inference, as Keras's BatchNormalization does
+        # (``training and self.trainable``): its FP8 state never changes, while its FP8 GEMMs
+        # still pass gradients through with the current scales. Keras replaces a nested
+        # model's ``training=False`` by the outer ``training=True`` in a Functional graph, so
+        # the flag is all that says "frozen" there (docs/keras.md, "A frozen layer").
+        is_training = is_training and bool(self.trainable)  # type: ignore[attr-defined]
         assert self._fp8_plan is not None and self.fp8_state is not None
         fp8_einsum = fp8_einsum_for_backend()
         return fp8_einsum(

@@ -98,7 +98,7 @@ def only_operands_an_fp8_gemm_reads_are_cast() -> None:
         recipe = f8.DelayedScaling(amax_history_len=3, override_linear_precision=override)
         layer = f8.Dense(8, recipe=recipe)
         layer.build((None, 16))
-        layer.trainable = not frozen
+        layer.kernel.trainable = not frozen  # a frozen layer would run as inference
         y = layer(torch.from_numpy(x).requires_grad_(x_grad), training=True)
         y.backward(torch.from_numpy(g))
         counts = keras.ops.convert_to_numpy(getattr(layer.fp8_state, slot))
@@ -200,13 +200,18 @@ def jax_backend() -> None:
         assert "JAX backend cannot update FP8 state" in str(err)
     else:
         raise AssertionError("training=True on the JAX backend must raise")
+    # a frozen FP8 base runs as inference, so fit trains the model around it (it raised)
+    frozen_cases.check_frozen_base()
 
 
 def frozen_layers() -> None:
-    """tests/keras/test_frozen.py's case: a frozen prefix gets fp8kit.torch's state, the first
-    layer's forward event included (it never ran here)."""
-    for wgrad_hp in (False, True):
-        frozen_cases.check_frozen_prefix("variables", wgrad_hp)
+    """tests/keras/test_frozen.py's cases: a frozen prefix (frozen variables: fp8kit.torch's
+    state, the first layer's forward event included, which never ran here; frozen layers:
+    untouched), and a frozen base called with training=False in a Functional model."""
+    for freeze in ("variables", "layer"):
+        for wgrad_hp in (False, True):
+            frozen_cases.check_frozen_prefix(freeze, wgrad_hp)
+    frozen_cases.check_frozen_base()
 
 
 if __name__ == "__main__":

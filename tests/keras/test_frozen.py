@@ -1,20 +1,58 @@
-"""Frozen FP8 layers in training, TensorFlow backend (the torch backend runs the same cases in
-backend_smoke.py): frozen weights follow fp8kit.torch's rules (forward event without a backward
-pass, dY cast only for a gradient GEMM whose result is needed)."""
+"""Frozen FP8 layers in training, TensorFlow backend (the torch and JAX backends run the same
+cases in backend_smoke.py): a layer with trainable=False runs as inference, like
+BatchNormalization; frozen weights in a trainable layer follow fp8kit.torch's rules (forward
+event without a backward pass, dY cast only for a gradient GEMM whose result is needed)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import tensorflow as tf
 
+import fp8kit.keras as f8
 from tests.keras import frozen_cases
+from tests.keras.helpers import dense, random_fp8_friendly, state_arrays
 
 pytest.importorskip("torch")
 
 
 @pytest.mark.parametrize("wgrad_hp", [False, True], ids=["fp8", "wgrad_hp"])
-@pytest.mark.parametrize("freeze", ["variables"])
+@pytest.mark.parametrize("freeze", ["variables", "layer"])
 def test_frozen_prefix_matches_fp8kit_torch(freeze, wgrad_hp) -> None:
-    """a -> b -> c, a and b frozen, two fit steps: a and b update their forward state only and
-    b casts no dY (its dX feeds only a, which needs no gradient), as fp8kit.torch; the old code
-    recorded b's dY."""
+    """a -> b -> c, a and b frozen, two fit steps. Frozen variables: a and b update their
+    forward state only and b casts no dY (its dX feeds only a, which needs no gradient), as
+    fp8kit.torch; the old code recorded b's dY. Frozen layers: a and b never change (the old
+    code updated them), and c, whose input then needs no gradient, casts dY only for an FP8
+    wgrad (the old code cast it for the dgrad of a dX nobody needs)."""
     frozen_cases.check_frozen_prefix(freeze, wgrad_hp)
+
+
+def test_frozen_base_called_with_training_false_keeps_its_state() -> None:
+    """Keras's transfer-learning idiom in a Functional model: Keras passes the outer
+    training=True to the nested base, and only ``trainable`` says it is frozen."""
+    frozen_cases.check_frozen_base()
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_frozen_layer_in_the_middle_passes_its_fp8_dgrad(rng, traced) -> None:
+    """A frozen layer whose input needs a gradient: dX is the FP8 dgrad with the current
+    (unit) scales, E5M2(dY) @ E4M3(W)^T, and the state does not change."""
+    w = random_fp8_friendly(rng, (16, 8))
+    layer = dense(8, w, np.zeros(8, np.float32), f8.DelayedScaling(amax_history_len=2))
+    layer.trainable = False
+    x = tf.constant(random_fp8_friendly(rng, (4, 16)))
+    g = tf.constant(random_fp8_friendly(rng, (4, 8), 1e-2))
+    before = state_arrays(layer)
+
+    def step(x, g):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(layer(x, training=True) * g)
+        return tape.gradient(loss, x)
+
+    dx = (tf.function(step) if traced else step)(x, g)
+    wq = tf.cast(tf.cast(w, "float8_e4m3fn"), tf.float32)
+    gq = tf.cast(tf.cast(g, "float8_e5m2"), tf.float32)
+    np.testing.assert_allclose(dx.numpy(), (gq @ tf.transpose(wq)).numpy(), rtol=1e-6)
+    for a, b in zip(before, state_arrays(layer), strict=True):
+        np.testing.assert_array_equal(a, b)

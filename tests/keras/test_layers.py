@@ -720,7 +720,7 @@ def test_only_operands_an_fp8_gemm_reads_are_cast(rng, override, differentiated)
     need_dx, need_dw = differentiated
     recipe = f8.DelayedScaling(amax_history_len=2, override_linear_precision=override)
     layer = dense(8, random_fp8_friendly(rng, (24, 8)), np.zeros(8, np.float32), recipe)
-    layer.trainable = need_dw
+    layer.kernel.trainable = need_dw  # a trainable=False layer would run as inference
     x = tf.constant(random_fp8_friendly(rng, (12, 24)))
     with tf.GradientTape() as tape:
         if need_dx:
