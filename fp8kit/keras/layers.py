@@ -22,6 +22,7 @@ from typing import Any
 
 import keras
 import numpy as np
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope  # no public name
 
 from fp8kit.keras.autocast import resolve
 from fp8kit.keras.backends import fp8_einsum_for_backend, gradients_recorded
@@ -165,8 +166,11 @@ class _Fp8LayerMixin:
             training is None
             and self.trainable  # type: ignore[attr-defined]  # frozen: inference anyway
             and not self._warned_training_unset
+            and not in_symbolic_scope()
             and gradients_recorded()
         ):
+            # Not in a symbolic call (Keras building a model through compute_output_spec, also
+            # inside fit's tape): no user code left training out there, and the real call follows.
             self._warned_training_unset = True
             warnings.warn(
                 f"fp8kit.keras: {type(self).__name__} {self.name!r} was called with training "  # type: ignore[attr-defined]

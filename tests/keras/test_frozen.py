@@ -5,6 +5,9 @@ event without a backward pass, dY cast only for a gradient GEMM whose result is 
 
 from __future__ import annotations
 
+import warnings
+
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -56,3 +59,27 @@ def test_frozen_layer_in_the_middle_passes_its_fp8_dgrad(rng, traced) -> None:
     np.testing.assert_allclose(dx.numpy(), (gq @ tf.transpose(wq)).numpy(), rtol=1e-6)
     for a, b in zip(before, state_arrays(layer), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_no_training_unset_warning_while_keras_builds_a_subclassed_model() -> None:
+    """Keras builds a lazily built subclassed model by a symbolic call inside fit's tape, with
+    training unset: no warning there, and the warn-once flag is left for a real such call."""
+
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.a = f8.Dense(5, recipe=f8.DelayedScaling(amax_history_len=4), name="a")
+
+        def call(self, x, training=None):
+            return self.a(x)
+
+    xs, ys = frozen_cases.data()
+    model = Net()
+    model.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(xs[0], ys[0][:, :1].repeat(5, axis=1), batch_size=8, verbose=0)
+    assert not [w for w in caught if "training unset" in str(w.message)]
+    np.testing.assert_array_equal(model.a.fp8_state.fwd_count.numpy(), [1, 1, 0])
+    with pytest.warns(UserWarning, match="training unset"), tf.GradientTape():
+        model.a(xs[0])
