@@ -132,8 +132,10 @@ def check_not_rerun_in_backward(module: torch.nn.Module) -> None:
     inside a backward pass: ``torch.utils.checkpoint`` (or a wrapper of it) recomputing it under
     an active ``f8.autocast`` (one entered in the checkpointed function, or around the backward
     call). The recomputation would cast with the scales the forward update event already
-    changed, and record its amaxes again, silently (docs/semantics.md section 11). One C call."""
-    if torch._C._current_graph_task_id() != -1:
+    changed, and record its amaxes again, silently (docs/semantics.md section 11). A
+    recomputation runs with grad enabled; an evaluation under ``no_grad`` in a backward hook is
+    not one. One C call."""
+    if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
         raise RuntimeError(
             f"{type(module).__name__} ran an FP8 forward under f8.autocast inside a backward pass: "
             "torch.utils.checkpoint recomputing it would cast with the scales the forward update "

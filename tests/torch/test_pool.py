@@ -294,11 +294,20 @@ def _functional_steps(
     model: torch.nn.Module, xs: list[torch.Tensor], buffers: dict[str, torch.Tensor] | str
 ) -> None:
     """Train ``model`` through ``torch.func.functional_call`` with clones of its parameters
-    (fast weights) and ``buffers`` (``"own"``: the module's buffer tensors of the moment, ``""``:
-    none); the parameters' gradients are copied back."""
+    (fast weights) and ``buffers``: ``""`` none, ``"now"`` the module's buffer tensors taken at
+    each call, ``"aliases"`` detached views of them, ``"once"`` its buffer tensors taken before
+    the first call (which pooling replaces), or a dict. The gradients are copied back."""
     params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    once = dict(model.named_buffers())
     for x in xs:
-        passed = dict(model.named_buffers()) if buffers == "own" else buffers or {}
+        if isinstance(buffers, dict):
+            passed = buffers
+        elif buffers == "now":
+            passed = dict(model.named_buffers())
+        elif buffers == "aliases":
+            passed = {k: v.detach() for k, v in model.named_buffers()}
+        else:
+            passed = once if buffers == "once" else {}
         with f8.autocast(recipe=RECIPE):
             y = torch.func.functional_call(model, {**params, **passed}, (x,))
         y.square().sum().backward()
@@ -311,13 +320,16 @@ def _fp8_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in state if "fp8_meta" in k and isinstance(v, torch.Tensor)}
 
 
-@pytest.mark.parametrize("pass_buffers", [False, True])
+@pytest.mark.parametrize("sized", [False, True])
+@pytest.mark.parametrize("buffers", ["", "now", "aliases", "once"])
 def test_functional_call_with_parameters_or_own_buffers_trains_the_module_state(
-    pass_buffers: bool,
+    buffers: str, sized: bool
 ) -> None:
-    """Stateless calls whose FP8 state is the module's own (not passed, or passed as the
-    module's buffer tensors of the moment): the same histories, scales and gradients as
-    ordinary calls."""
+    """Stateless calls whose FP8 state buffers are the module's own: not passed, passed as its
+    tensors of the moment or views of them, or as tensors it held earlier (before its first
+    call's resize, or its pooling: functional_call puts those back, decision 0269). The module's
+    state is used and updated: the same histories, scales and gradients as ordinary calls, and
+    the module's buffers read afterwards are its current ones."""
     torch.manual_seed(0)
     plain = torch.nn.Sequential(f8.Linear(16, 8), torch.nn.ReLU(), f8.Linear(8, 4))
     stateless = copy.deepcopy(plain)
@@ -326,37 +338,69 @@ def test_functional_call_with_parameters_or_own_buffers_trains_the_module_state(
         with f8.autocast(recipe=RECIPE):
             y = plain(x)
         y.square().sum().backward()
-    if pass_buffers:  # sized first: a first call's resize would be undone by functional_call
+    if sized:
         f8.init_fp8_state(stateless, RECIPE)
-    _functional_steps(stateless, xs, "own" if pass_buffers else "")
+    _functional_steps(stateless, xs, buffers)
     expected, got = _fp8_state(plain), _fp8_state(stateless)
     assert expected.keys() == got.keys()
     for key in expected:
         assert torch.equal(expected[key], got[key]), key
     assert expected["0.fp8_meta.forward.update_count"].tolist() == [3, 3, 0]
+    assert stateless[0].fp8_meta.forward.update_count.tolist() == [3, 3, 0]
     for a, b in zip(plain.parameters(), stateless.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
 
 
-@pytest.mark.parametrize("passed", ["clones", "own"])
-def test_functional_call_with_replacement_fp8_buffers_is_refused(passed: str) -> None:
-    """Buffers passed to functional_call replace the module's in ``_buffers``; the update event
-    at the autocast exit works on the module's own state, so the amaxes cast into the
-    replacements would be lost. Refused at the first cast that sees them ("own": the module's
-    unsized buffers, which functional_call puts back after the first call's resize: at the
-    backward cast), and the module trains normally afterwards (as a fresh one)."""
+@pytest.mark.parametrize("first", [True, False])
+def test_functional_call_with_other_fp8_buffers_is_refused(first: bool) -> None:
+    """Tensors that are not the module's own (clones) in place of its FP8 state buffers: the
+    update event at the autocast exit works on the module's own state, so the amaxes cast into
+    them would be lost. Refused at the first cast, naming the state, on the first call or after
+    training; the module then trains normally (as a copy that never saw the call)."""
     torch.manual_seed(0)
     model = f8.Linear(16, 8)
-    fresh = copy.deepcopy(model)
-    buffers = {k: v.clone() for k, v in model.named_buffers()} if passed == "clones" else "own"
-    direction = "forward" if passed == "clones" else "backward"
-    with pytest.raises(RuntimeError, match=rf"Linear\(16, 8\)\.{direction} were replaced from"):
-        _functional_steps(model, [torch.randn(4, 16)], buffers)
-    if passed == "clones":
-        assert torch.equal(buffers["fp8_meta.forward.amax_history"], torch.zeros(1024, 3))
+    if not first:
+        _step(model, torch.randn(4, 16))
+    untouched = copy.deepcopy(model)
+    clones = {k: v.clone() for k, v in model.named_buffers()}
+    with pytest.raises(RuntimeError, match=r"Linear\(16, 8\)\.forward were replaced from"):
+        _functional_steps(model, [torch.randn(4, 16)], clones)
     x = torch.randn(4, 16)
-    for m in (model, fresh):
+    for m in (model, untouched):
         _step(m, x)
-    expected, got = _fp8_state(fresh), _fp8_state(model)
+    expected, got = _fp8_state(untouched), _fp8_state(model)
     for key in expected:
         assert torch.equal(expected[key], got[key]), key
+
+
+class _CastsItself(torch.nn.Module):
+    """A wrapper that enters f8.autocast inside its forward."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with f8.autocast(recipe=RECIPE):
+            return self.inner(x)
+
+
+def test_functional_call_of_a_module_entering_autocast_itself_keeps_its_state_dict() -> None:
+    """The module's first update event runs inside functional_call, which then puts the
+    buffers it was given (the module's, from before the event) back: the state trains as
+    with ordinary calls, and state_dict gives it (direct reads of the buffers right after such
+    a call show the older tensors until the module's next call: docs/te_modules.md)."""
+    torch.manual_seed(0)
+    plain = _CastsItself(torch.nn.Sequential(f8.Linear(16, 8), torch.nn.ReLU(), f8.Linear(8, 4)))
+    stateless = copy.deepcopy(plain)
+    f8.init_fp8_state(plain, RECIPE)
+    f8.init_fp8_state(stateless, RECIPE)
+    for step in range(3):
+        x = torch.randn(4, 16) * (1 + step)
+        plain(x).square().sum().backward()
+        buffers = {**dict(stateless.named_parameters()), **dict(stateless.named_buffers())}
+        torch.func.functional_call(stateless, buffers, (x,)).square().sum().backward()
+    expected, got = _fp8_state(plain), _fp8_state(stateless)
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+    assert got["inner.0.fp8_meta.forward.update_count"].tolist() == [3, 3, 0]

@@ -390,6 +390,24 @@ def test_a_plain_reentrant_checkpoint_of_fp8_modules_warns() -> None:
         y.sum().backward()
 
 
+def test_an_fp8_evaluation_in_a_backward_hook_is_not_a_recomputation() -> None:
+    """A backward hook that runs another FP8 model under no_grad (a probe, an EMA evaluation)
+    runs inside the backward pass but recomputes nothing: no refusal (a review found one)."""
+    probe, model = f8.Linear(16, 16), f8.Linear(16, 16)
+    seen = []
+
+    def hook(module: torch.nn.Module, grad_in: Any, grad_out: Any) -> None:
+        with torch.no_grad(), f8.autocast(recipe=RECIPES["delayed"]):
+            seen.append(probe(grad_out[0]))
+
+    model.register_full_backward_hook(hook)
+    x = torch.randn(4, 16, requires_grad=True)
+    with f8.autocast(recipe=RECIPES["delayed"]):
+        y = model(x)
+    y.sum().backward()
+    assert len(seen) == 1 and seen[0].shape == (4, 16)
+
+
 class _SelfCasting(torch.nn.Module):
     """A block that enters f8.autocast itself, around an FP8 module."""
 

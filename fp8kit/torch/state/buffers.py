@@ -8,6 +8,7 @@ fixed shapes (``fp8_meta.forward.amax_history`` ...) and load with ``weights_onl
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import re
@@ -95,6 +96,22 @@ class UnsupportedExtraState(ValueError):
     fp8kit cannot read."""
 
 
+def _forget(former: dict[int, Any], key: int, _ref: Any) -> None:
+    """Weakref callback: a formerly placed tensor is gone (its id may be reused)."""
+    former.pop(key, None)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same elements (``b.detach()``, for one)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
+
 def _require_label(label: Any) -> None:
     if not isinstance(label, str):
         raise TypeError(f"label must be a str (names the owner in messages), got {label!r}")
@@ -163,14 +180,39 @@ class ScalingState(nn.Module):
 
     def _note_placed(self, *names: str) -> None:
         """Remember the buffer tensors a ScalingState placed itself (``names``, default all),
-        which :meth:`slot_views` tells from tensors assigned into ``_buffers`` from outside."""
+        which :meth:`slot_views` tells from tensors assigned into ``_buffers`` from outside,
+        and those they replace (still the module's own, only out of date)."""
         placed = self.__dict__.setdefault("_placed", {})
+        former = self.__dict__.setdefault("_formerly_placed", {})
         for name in names or _CAST_BUFFERS:
-            placed[name] = self._buffers[name]
+            old, new = placed.get(name), self._buffers[name]
+            if old is not None and old is not new:
+                key = id(old)
+                former[key] = weakref.ref(old, functools.partial(_forget, former, key))
+            placed[name] = new
+        self._slot_views_of = ()  # the next cast rebuilds its views, checking them
+
+    def heal_buffers(self) -> list[str]:
+        """Put back the placed cast buffers where ``_buffers`` holds others, as
+        ``torch.func.functional_call`` leaves them. Returns the names whose tensor there was
+        not the module's own (neither one it placed before nor a view of the same memory):
+        tensors from outside, whose amaxes the module's update event would lose."""
+        placed, former = self._placed, self._formerly_placed
+        foreign = []
+        for name in _CAST_BUFFERS:
+            tensor, own = self._buffers[name], placed[name]
+            if tensor is own or _same_memory(tensor, own):
+                continue
+            ref = former.get(id(tensor))
+            if ref is None or ref() is not tensor:
+                foreign.append(name)
+            self._buffers[name] = own
+        return foreign
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_slot_views={}, _slot_views_of=(), _slot_derived={})  # rebuilt on use
+        # rebuilt on use; the placed tensors are the copy's own (__setstate__)
+        state.update(_slot_views={}, _slot_views_of=(), _slot_derived={}, _formerly_placed={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -179,6 +221,7 @@ class ScalingState(nn.Module):
         _states_by_uid[self.uid] = self
         self.pool_partition = 0  # and is in no CUDA graph
         self.__dict__["_placed"] = {}  # not the original's tensors
+        self.__dict__["_formerly_placed"] = {}
         self._note_placed()
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -267,9 +310,11 @@ class ScalingState(nn.Module):
                 history is not placed["amax_history"]
                 or scale is not placed["scale"]
                 or count is not placed["update_count"]
-            ):
-                _buffers_replaced()  # the module's next call binds afresh (the cached run is stale)
-                raise RuntimeError(self._swapped_message())
+            ):  # assigned into _buffers from outside (functional_call): the module's own count
+                if self.heal_buffers():
+                    _buffers_replaced()  # the module's next call binds afresh
+                    raise RuntimeError(self.swapped_message())
+                history, scale, count = (placed[name] for name in _CAST_BUFFERS)
             self._slot_views, self._slot_views_of = {}, (history, scale, count)
             self._slot_derived = {}
         views = self._slot_views.get(slot)
@@ -281,15 +326,15 @@ class ScalingState(nn.Module):
             )
         return views
 
-    def _swapped_message(self) -> str:
+    def swapped_message(self) -> str:
+        """The refusal of FP8 state buffers assigned from outside (see :meth:`heal_buffers`)."""
         return (
             f"fp8kit: the FP8 state buffers of {self.label or 'an FP8 state'} were replaced from "
             "outside fp8kit (assigned into module._buffers, as torch.func.functional_call does "
             "with buffers passed in). The update event at the autocast exit updates the "
             "module's own state, so the amaxes cast into the replacements would be lost: pass "
-            "only parameters to functional_call, or the module's own buffer tensors of the "
-            "moment once its state is sized (docs/te_modules.md, 'Copies, EMA and stateless "
-            "calls')"
+            "only parameters to functional_call, or the module's own buffer tensors "
+            "(docs/te_modules.md, 'Copies, EMA and stateless calls')"
         )
 
     def slot_derived(self, slot: int) -> dict[Any, Any]:
@@ -327,6 +372,8 @@ class ScalingState(nn.Module):
 
     def set_history_len(self, length: int, reason: str) -> None:
         """Resize the history to ``length`` rows, warning unless the state is still pristine."""
+        if self.heal_buffers():  # resize the module's own history, not one left by functional_call
+            raise RuntimeError(self.swapped_message())
         if length == self.history_len:
             return
         if not self.is_pristine():
@@ -392,6 +439,8 @@ class ScalingState(nn.Module):
         history is not contiguous, which ``torch.distributed``'s broadcasts of a state dict and
         safetensors do not take, and it would save the storage of the whole pool
         (docs/decisions/0242-review-fixes-seventh-session.md)."""
+        if self.heal_buffers():  # tensors from outside (functional_call) in _buffers: refused
+            raise RuntimeError(self.swapped_message())
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if keep_vars:
             return

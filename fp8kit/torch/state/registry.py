@@ -307,7 +307,11 @@ class StateRegistry:
             self.discard(state)
         if moved:
             states = self.states()
-        for state in states:  # loaded with another L, or bound to another recipe, since it ran
+        for state in states:
+            # the module's own buffers back where functional_call left others (decision 0269)
+            if state.heal_buffers():
+                raise RuntimeError(state.swapped_message())
+            # loaded with another L, or bound to another recipe, since it ran
             bind_state_if_needed(state, self.recipe)
         self.pool.sync(states)
         self._membership_changed = False
