@@ -205,9 +205,9 @@ def jax_backend() -> None:
 
 
 def frozen_layers() -> None:
-    """tests/keras/test_frozen.py's cases: a frozen prefix (frozen variables: fp8kit.torch's
-    state, the first layer's forward event included, which never ran here; frozen layers:
-    untouched), and a frozen base called with training=False in a Functional model."""
+    """tests/keras/test_frozen.py's cases: a frozen prefix (frozen layers or frozen weights: a
+    and b untouched, c as fp8kit.torch), and a frozen base called with training=False in a
+    Functional model."""
     for freeze in ("variables", "layer"):
         for wgrad_hp in (False, True):
             frozen_cases.check_frozen_prefix(freeze, wgrad_hp)

@@ -64,12 +64,13 @@ def weights(model: keras.Model) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 
 def torch_reference(
-    w: dict[str, tuple[np.ndarray, np.ndarray]], wgrad_high_precision: bool, freeze: str
+    w: dict[str, tuple[np.ndarray, np.ndarray]], wgrad_high_precision: bool
 ) -> dict[str, list[np.ndarray]]:
-    """fp8kit.torch on the same weights and batches, a and b with ``requires_grad_(False)``:
-    per layer (fwd history, scale, count, bwd history, scale, count). For ``freeze="layer"``
-    a and b run as an evaluation pass (``torch.no_grad()`` and an autocast of their own, which
-    runs no event: docs/semantics.md section 3), so they keep scale 1 as the Keras layers do."""
+    """fp8kit.torch on the same weights and batches, a and b with ``requires_grad_(False)`` run
+    as an evaluation pass (``torch.no_grad()`` and an autocast of their own, which runs no
+    event: docs/semantics.md section 3), as Keras runs them (a frozen layer, or calls without
+    a backward pass: docs/keras.md): per layer (fwd history, scale, count, bwd history, scale,
+    count)."""
     import torch
 
     import fp8kit.torch as f8t
@@ -86,14 +87,10 @@ def torch_reference(
     opt = torch.optim.SGD(lins["c"].parameters(), lr=LR)
     r = recipe(wgrad_high_precision)
     for x, y in zip(*data(), strict=True):
-        if freeze == "layer":
-            with torch.no_grad(), f8t.autocast(recipe=r):
-                h = lins["b"](lins["a"](torch.from_numpy(x)))
-            with f8t.autocast(recipe=r):
-                out = lins["c"](h)
-        else:
-            with f8t.autocast(recipe=r):
-                out = lins["c"](lins["b"](lins["a"](torch.from_numpy(x))))
+        with torch.no_grad(), f8t.autocast(recipe=r):
+            h = lins["b"](lins["a"](torch.from_numpy(x)))
+        with f8t.autocast(recipe=r):
+            out = lins["c"](h)
         loss = ((out - torch.from_numpy(y)) ** 2).mean()
         opt.zero_grad()
         loss.backward()
@@ -108,18 +105,20 @@ def torch_reference(
 
 
 def check_frozen_prefix(freeze: str, wgrad_high_precision: bool) -> None:
-    """Two ``train_on_batch`` steps; every layer's FP8 state against fp8kit.torch, except that a
-    frozen layer (``freeze="layer"``) keeps its fresh state. Histories of b and c may differ in
-    the last bit (their inputs come from GEMMs whose operands Keras scales first, docs/keras.md
+    """Two ``train_on_batch`` steps. a and b keep their fresh state either way: frozen layers
+    run as inference, and with frozen weights their calls have no backward pass (nothing they
+    compute needs a gradient), which in Keras records nothing. c against fp8kit.torch: its
+    input needs no gradient, so it casts dY only for an FP8 wgrad. Histories may differ in the
+    last bit (c's input comes from GEMMs whose operands Keras scales first, docs/keras.md
     platform notes); counts are exact."""
     model = frozen_prefix_model(freeze, wgrad_high_precision)
     fresh = {n: state(model.get_layer(n)) for n in NAMES}
-    ref = torch_reference(weights(model), wgrad_high_precision, freeze)
+    ref = torch_reference(weights(model), wgrad_high_precision)
     for x, y in zip(*data(), strict=True):
         model.train_on_batch(x, y)
     for n in NAMES:
         ours = state(model.get_layer(n))
-        if freeze == "layer" and n in "ab":
+        if n in "ab":
             for got, want in zip(ours, fresh[n], strict=True):
                 np.testing.assert_array_equal(got, want, err_msg=f"frozen layer {n} changed")
             continue

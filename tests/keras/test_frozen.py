@@ -1,7 +1,8 @@
 """Frozen FP8 layers in training, TensorFlow backend (the torch and JAX backends run the same
 cases in backend_smoke.py): a layer with trainable=False runs as inference, like
-BatchNormalization; frozen weights in a trainable layer follow fp8kit.torch's rules (forward
-event without a backward pass, dY cast only for a gradient GEMM whose result is needed)."""
+BatchNormalization; frozen weights are read behind a stop-gradient, so a call records what its
+backward pass needs (dY only for a gradient GEMM whose result is needed) and a call without one
+records nothing (docs/keras.md)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ pytest.importorskip("torch")
 @pytest.mark.parametrize("wgrad_hp", [False, True], ids=["fp8", "wgrad_hp"])
 @pytest.mark.parametrize("freeze", ["variables", "layer"])
 def test_frozen_prefix_matches_fp8kit_torch(freeze, wgrad_hp) -> None:
-    """a -> b -> c, a and b frozen, two fit steps. Frozen variables: a and b update their
-    forward state only and b casts no dY (its dX feeds only a, which needs no gradient), as
-    fp8kit.torch; the old code recorded b's dY. Frozen layers: a and b never change (the old
-    code updated them), and c, whose input then needs no gradient, casts dY only for an FP8
-    wgrad (the old code cast it for the dgrad of a dX nobody needs)."""
+    """a -> b -> c, a and b frozen, two fit steps: a and b never change (frozen layers run as
+    inference; with frozen weights their calls have no backward pass), and c, whose input then
+    needs no gradient, casts dY only for an FP8 wgrad. The old code recorded a's and b's
+    forward amaxes and cast dY in b and c for dgrads whose dX nobody needs (a tape watches a
+    frozen TensorFlow variable)."""
     frozen_cases.check_frozen_prefix(freeze, wgrad_hp)
 
 
@@ -83,3 +84,32 @@ def test_no_training_unset_warning_while_keras_builds_a_subclassed_model() -> No
     np.testing.assert_array_equal(model.a.fp8_state.fwd_count.numpy(), [1, 1, 0])
     with pytest.warns(UserWarning, match="training unset"), tf.GradientTape():
         model.a(xs[0])
+
+
+@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize("frozen", ["layer", "weights", "none"])
+def test_a_teacher_under_stop_gradient_records_nothing(rng, traced, frozen) -> None:
+    """docs/keras.md, "A call without a backward pass records nothing": a teacher called with
+    training=True under tf.stop_gradient inside the student's tape, whether the teacher, its
+    weights or nothing is frozen (a review found frozen weights made it record)."""
+    r = f8.DelayedScaling(amax_history_len=2)
+    teacher = dense(8, random_fp8_friendly(rng, (16, 8)), np.zeros(8, np.float32), r)
+    student = dense(8, random_fp8_friendly(rng, (16, 8)), np.zeros(8, np.float32), r)
+    if frozen == "layer":
+        teacher.trainable = False
+    elif frozen == "weights":
+        teacher.kernel.trainable = False
+        teacher.bias.trainable = False
+    x = tf.constant(random_fp8_friendly(rng, (4, 16)))
+    before = state_arrays(teacher)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            target = tf.stop_gradient(teacher(x, training=True))
+            loss = tf.reduce_sum((student(x, training=True) - target) ** 2)
+        return tape.gradient(loss, student.trainable_variables)
+
+    (tf.function(step) if traced else step)(x)
+    for a, b in zip(before, state_arrays(teacher), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(student.fp8_state.fwd_count.numpy(), [1, 1, 0])

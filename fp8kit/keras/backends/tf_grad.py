@@ -164,8 +164,6 @@ def fp8_einsum(
         not taped or record.should_record_backprop([x]),
         kernel_trainable and (not taped or record.should_record_backprop([w])),
     )
-    if taped and not any(needs):
-        return _forward_only(plan, state, x, w, reads, out_dtype, chain)
     is_head = chain is None
     token_in = tf.zeros((state.num_observations,), tf.float32) if is_head else chain.token
 
@@ -209,33 +207,6 @@ def fp8_einsum(
         else:
             chain.token, chain.fwd_max = token_out, tf.maximum(chain.fwd_max, fwd_obs)
             chain.reads.extend(reads)
-    return y
-
-
-def _forward_only(
-    plan: gemm.GemmPlan,
-    state: Fp8State,
-    x: tf.Tensor,
-    w: tf.Tensor,
-    reads: tuple[tf.Tensor, ...],
-    out_dtype: str,
-    chain: _Chain | None,
-) -> tf.Tensor:
-    """A training call that a tape could record but that needs no gradient (its input is not
-    watched and its kernel is frozen): no tape records it, so it has no backward pass, yet its
-    forward amaxes take part in an event, as a module without a backward in fp8kit.torch
-    (docs/semantics.md section 3). Traced, they join the layer's chain of this step if it has
-    one (the head's event takes them); otherwise, and in eager execution, the event runs now,
-    with empty backward slots (skipped by the zero rule)."""
-    fwd_scale, fwd_count, _, _ = reads
-    y, _, fwd_obs = gemm.forward(plan, x, w, fwd_scale, fwd_count, out_dtype, (False, False))
-    if chain is not None:
-        chain.fwd_max = tf.maximum(chain.fwd_max, fwd_obs)
-        chain.reads.extend(reads)
-        return y
-    no_bwd = tf.zeros((state.num_observations - fwd_obs.shape[0],), tf.float32)
-    with tf.control_dependencies(list(reads)):  # decision 0268: the writes wait for the reads
-        _observe_in_replica(state, tf.concat([fwd_obs, no_bwd], axis=0), plan.recipe)
     return y
 
 

@@ -100,18 +100,7 @@ def fp8_einsum(
 ) -> Any:
     """``einsum(plan.equation, x, w)`` in FP8; a training call's backward updates ``state``.
     Which gradients are needed comes from autograd (Keras keeps a frozen kernel's
-    ``requires_grad`` False, so ``kernel_trainable`` adds nothing here).
-
-    A training call with gradients enabled whose input and kernel need no gradient has no
-    backward pass (autograd runs none), so its forward amaxes are observed at once, with
-    empty backward slots: a module without a backward still takes part in the forward event,
-    as in fp8kit.torch (docs/semantics.md section 3)."""
-    needs_grad = any(torch.is_tensor(t) and t.requires_grad for t in (x, w))
-    if training and torch.is_grad_enabled() and not needs_grad:
-        fwd_scale, fwd_count, _, _ = state.read()
-        y, _, fwd_obs = gemm.forward(plan, x, w, fwd_scale, fwd_count, out_dtype, (False, False))
-        no_bwd = ops.zeros((state.num_observations - fwd_obs.shape[0],), "float32")
-        with torch.no_grad():
-            state.observe(ops.concatenate([fwd_obs, no_bwd]))
-        return y
+    ``requires_grad`` False, so ``kernel_trainable`` adds nothing here). A call whose input
+    and kernel need no gradient has no backward pass, so it records nothing, as on TensorFlow
+    (docs/keras.md, "A call without a backward pass")."""
     return _Fp8Einsum.apply(x, w, plan, state, training, out_dtype)
