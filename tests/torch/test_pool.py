@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import random
 import threading
 import warnings
@@ -385,11 +386,14 @@ class _CastsItself(torch.nn.Module):
             return self.inner(x)
 
 
-def test_functional_call_of_a_module_entering_autocast_itself_keeps_its_state_dict() -> None:
+@pytest.mark.parametrize("then", ["state_dict", "float", "deepcopy", "pickle", "reset"])
+def test_functional_call_of_a_module_entering_autocast_itself_keeps_its_state(then: str) -> None:
     """The module's first update event runs inside functional_call, which then puts the
-    buffers it was given (the module's, from before the event) back: the state trains as
-    with ordinary calls, and state_dict gives it (direct reads of the buffers right after such
-    a call show the older tensors until the module's next call: docs/te_modules.md)."""
+    buffers it was given (the module's, from before the event) back: the state trains as with
+    ordinary calls, and what reads the state as a whole (state_dict, .float(), a deepcopy, a
+    pickle, reset_parameters) takes the module's current state, not those tensors (a review
+    found .float(), reset and copies took the older ones). Direct reads of the buffers right
+    after such a call show the older tensors until the next call (docs/te_modules.md)."""
     torch.manual_seed(0)
     plain = _CastsItself(torch.nn.Sequential(f8.Linear(16, 8), torch.nn.ReLU(), f8.Linear(8, 4)))
     stateless = copy.deepcopy(plain)
@@ -400,7 +404,25 @@ def test_functional_call_of_a_module_entering_autocast_itself_keeps_its_state_di
         plain(x).square().sum().backward()
         buffers = {**dict(stateless.named_parameters()), **dict(stateless.named_buffers())}
         torch.func.functional_call(stateless, buffers, (x,)).square().sum().backward()
+    if then == "float":
+        stateless.float()
+    elif then == "deepcopy":
+        stateless = copy.deepcopy(stateless)
+    elif then == "pickle":
+        buffer = io.BytesIO()
+        torch.save(stateless, buffer)
+        buffer.seek(0)
+        stateless = torch.load(buffer, weights_only=False)
+    elif then == "reset":
+        for module in (plain.inner[0], stateless.inner[0]):
+            module.reset_parameters()
+    if then != "state_dict":
+        got = stateless.inner[0].fp8_meta.forward
+        want = plain.inner[0].fp8_meta.forward
+        for name in ("amax_history", "scale", "update_count"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
     expected, got = _fp8_state(plain), _fp8_state(stateless)
     for key in expected:
         assert torch.equal(expected[key], got[key]), key
-    assert got["inner.0.fp8_meta.forward.update_count"].tolist() == [3, 3, 0]
+    count = got["inner.0.fp8_meta.forward.update_count"].tolist()
+    assert count == ([0, 0, 0] if then == "reset" else [3, 3, 0])

@@ -197,22 +197,38 @@ class ScalingState(nn.Module):
         ``torch.func.functional_call`` leaves them. Returns the names whose tensor there was
         not the module's own (neither one it placed before nor a view of the same memory):
         tensors from outside, whose amaxes the module's update event would lose."""
-        placed, former = self._placed, self._formerly_placed
+        placed = self._placed
         foreign = []
         for name in _CAST_BUFFERS:
             tensor, own = self._buffers[name], placed[name]
             if tensor is own or _same_memory(tensor, own):
                 continue
-            ref = former.get(id(tensor))
-            if ref is None or ref() is not tensor:
+            if not self._held_before(tensor):
                 foreign.append(name)
             self._buffers[name] = own
         return foreign
 
+    def _held_before(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is, or views the memory of, a buffer this state placed before."""
+        for ref in list(self._formerly_placed.values()):
+            old = ref()
+            if old is not None and (old is tensor or _same_memory(tensor, old)):
+                return True
+        return False
+
+    def heal_or_refuse(self) -> None:
+        """:meth:`heal_buffers`, raising if ``_buffers`` held tensors from outside."""
+        if self.heal_buffers():
+            _buffers_replaced()  # the module's next call binds afresh
+            raise RuntimeError(self.swapped_message())
+
     def __getstate__(self) -> dict[str, Any]:
+        self.heal_or_refuse()  # a copy of the module's state, not of what functional_call left
         state = dict(self.__dict__)
-        # rebuilt on use; the placed tensors are the copy's own (__setstate__)
-        state.update(_slot_views={}, _slot_views_of=(), _slot_derived={}, _formerly_placed={})
+        # rebuilt on use; the placed tensors are the copy's own buffers (__setstate__)
+        state.update(
+            _slot_views={}, _slot_views_of=(), _slot_derived={}, _placed={}, _formerly_placed={}
+        )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -254,6 +270,7 @@ class ScalingState(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> ScalingState:  # type: ignore[override]
         # FP8 metadata stays float32 / int64 whatever the model's dtype: follow device moves
         # only (``model.to(torch.bfloat16)`` must not round scales and histories).
+        self.heal_or_refuse()  # move the module's state, not what functional_call left
         materialised = False
         for name, buf in self._buffers.items():
             if buf is None:
@@ -311,9 +328,7 @@ class ScalingState(nn.Module):
                 or scale is not placed["scale"]
                 or count is not placed["update_count"]
             ):  # assigned into _buffers from outside (functional_call): the module's own count
-                if self.heal_buffers():
-                    _buffers_replaced()  # the module's next call binds afresh
-                    raise RuntimeError(self.swapped_message())
+                self.heal_or_refuse()
                 history, scale, count = (placed[name] for name in _CAST_BUFFERS)
             self._slot_views, self._slot_views_of = {}, (history, scale, count)
             self._slot_derived = {}
@@ -372,8 +387,7 @@ class ScalingState(nn.Module):
 
     def set_history_len(self, length: int, reason: str) -> None:
         """Resize the history to ``length`` rows, warning unless the state is still pristine."""
-        if self.heal_buffers():  # resize the module's own history, not one left by functional_call
-            raise RuntimeError(self.swapped_message())
+        self.heal_or_refuse()  # resize the module's own history, not one functional_call left
         if length == self.history_len:
             return
         if not self.is_pristine():
@@ -411,6 +425,7 @@ class ScalingState(nn.Module):
 
     def reset_values(self) -> None:
         """Fresh values in place (history 0, scale 1, counts 0); shape and recipe are kept."""
+        self.heal_or_refuse()
         with torch.no_grad():
             self.amax_history.zero_()
             self.scale.fill_(1.0)
@@ -439,8 +454,7 @@ class ScalingState(nn.Module):
         history is not contiguous, which ``torch.distributed``'s broadcasts of a state dict and
         safetensors do not take, and it would save the storage of the whole pool
         (docs/decisions/0242-review-fixes-seventh-session.md)."""
-        if self.heal_buffers():  # tensors from outside (functional_call) in _buffers: refused
-            raise RuntimeError(self.swapped_message())
+        self.heal_or_refuse()  # save the module's own state
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if keep_vars:
             return

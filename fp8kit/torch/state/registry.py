@@ -309,8 +309,7 @@ class StateRegistry:
             states = self.states()
         for state in states:
             # the module's own buffers back where functional_call left others (decision 0269)
-            if state.heal_buffers():
-                raise RuntimeError(state.swapped_message())
+            state.heal_or_refuse()
             # loaded with another L, or bound to another recipe, since it ran
             bind_state_if_needed(state, self.recipe)
         self.pool.sync(states)
