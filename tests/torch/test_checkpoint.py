@@ -512,3 +512,34 @@ def test_an_ema_copy_made_before_the_first_step_needs_sized_states(sized: bool) 
         if "fp8_meta" in key and isinstance(value, torch.Tensor):
             assert torch.equal(ema.module.state_dict()[key], value), key
     assert model[0].fp8_meta.forward.update_count.tolist() == [1, 1, 0]
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_load_in_swap_mode_trains_on_like_the_checkpointed_model(assign: bool) -> None:
+    """Under torch.__future__.set_swap_module_params_on_conversion(True), load_state_dict with
+    assign=True swaps the buffers' contents in place (torch.utils.swap_tensors): the state
+    objects stay, no longer views of their pool. The next step must still equal the
+    checkpointed model's (a review found the pool kept the old values)."""
+    recipe = DelayedScaling(amax_history_len=4)
+    trained, other = _model(0), _model(1)
+    for seed, model in ((0, other), (1, trained), (2, trained)):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(seed))
+        with f8.autocast(recipe=recipe):
+            model(x).sum().backward()
+    with f8.autocast(recipe=recipe):
+        other(torch.randn(4, 32)).sum().backward()  # pooled, with values of its own
+    reference = copy.deepcopy(trained)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        other.load_state_dict(trained.state_dict(), assign=assign)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    x = torch.randn(4, 32) * 3
+    for model in (other, reference):
+        with f8.autocast(recipe=recipe):
+            model(x).sum().backward()
+    want = {k: v for k, v in reference.state_dict().items() if isinstance(v, torch.Tensor)}
+    got = other.state_dict()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key

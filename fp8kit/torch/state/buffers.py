@@ -485,6 +485,7 @@ class ScalingState(nn.Module):
             self.amax_history = torch.zeros(
                 incoming.shape, dtype=torch.float32, device=self.amax_history.device
             )
+        before = {name: (t, t.data_ptr()) for name, t in self._buffers.items() if t is not None}
         try:
             super()._load_from_state_dict(
                 state_dict,
@@ -499,6 +500,12 @@ class ScalingState(nn.Module):
             # torch sets the extra state last: the buffers are loaded. Reported as torch reports
             # a bad tensor, by key, when the whole load is done (also under strict=False).
             error_msgs.append(f"While loading {prefix}_extra_state: {error}")
+        for name, (tensor, address) in before.items():
+            if self._buffers[name] is tensor and tensor.data_ptr() != address:
+                # assign=True under torch.__future__.set_swap_module_params_on_conversion: the
+                # object kept, its contents swapped for the checkpoint's (no longer a view of
+                # the pool). A new object makes the pool see it and take its values.
+                setattr(self, name, tensor.detach())
         self.refresh_derived()
 
     def extra_repr(self) -> str:
