@@ -327,7 +327,7 @@ class ScalingState(nn.Module):
                 history is not placed["amax_history"]
                 or scale is not placed["scale"]
                 or count is not placed["update_count"]
-            ):  # assigned into _buffers from outside (functional_call): the module's own count
+            ):  # assigned into _buffers from outside (functional_call): heal, or refuse
                 self.heal_or_refuse()
                 history, scale, count = (placed[name] for name in _CAST_BUFFERS)
             self._slot_views, self._slot_views_of = {}, (history, scale, count)
