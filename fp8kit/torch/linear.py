@@ -172,9 +172,8 @@ def _bind(meta: FP8Meta, recipe: Recipe, cache: dict[str, Any]) -> None:
         cache["recipe"] = recipe
     elif isinstance(recipe, DelayedScaling) and (
         meta.forward.history_len != recipe.amax_history_len
-        or meta.backward.history_len != recipe.amax_history_len
-    ):  # loaded from a checkpoint with another L since the last call, or put back unsized
-        bind_recipe(meta, recipe)  # (functional_call after a first call's resize)
+    ):  # loaded from a checkpoint with another L since the last call
+        bind_recipe(meta, recipe)
 
 
 def _new_run(meta: FP8Meta, settings: FP8Settings, binds: bool = True) -> FP8Run:

@@ -290,8 +290,7 @@ class ScalingState(nn.Module):
                 # Perhaps moved in place (``share_memory_``): the same tensor at a new address,
                 # which the prepared casts hold (docs/performance.md). Pooled buffers are views
                 # of one storage that the first state's call moves for all, so no state can tell
-                # from its own address: drop the prepared casts (a cold path).
-                self._slot_views_of = ()
+                # from its own address: the prepared casts go (_note_placed below, a cold path).
                 _buffers_replaced()
         self._note_placed()
         if materialised:
@@ -485,7 +484,8 @@ class ScalingState(nn.Module):
             self.amax_history = torch.zeros(
                 incoming.shape, dtype=torch.float32, device=self.amax_history.device
             )
-        before = {name: (t, t.data_ptr()) for name, t in self._buffers.items() if t is not None}
+        bufs = self._buffers
+        before = {name: (bufs[name], bufs[name].data_ptr()) for name in _CAST_BUFFERS}
         try:
             super()._load_from_state_dict(
                 state_dict,
